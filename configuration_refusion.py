@@ -1,0 +1,89 @@
+"""Configuration of ReFusion: a slot-based masked diffusion LM over an ordinary RoPE causal decoder.
+
+The backbone keeps its own configuration (``text_config``); ReFusion adds the mask token, the default
+decoding parameters and the slot sizes used by the hybrid training objective.
+"""
+
+from dataclasses import field
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+# Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and
+# whose mask builder passes a prepared 4D mask through untouched. Each one is covered by the tests.
+SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RefusionConfig(PreTrainedConfig):
+    r"""
+    Args:
+        text_config (`dict` or `PreTrainedConfig`):
+            Configuration of the causal decoder backbone (one of `SUPPORTED_BACKBONES`).
+        mask_token_id (`int`, *optional*):
+            Id of the `[MASK]` token that stands for a token still to be generated.
+        slot_size (`int`, defaults to 8):
+            Default number of consecutive tokens in a decoding slot.
+        slot_threshold (`float`, defaults to 0.8):
+            A slot is chosen for decoding when the probability of its first draft token exceeds this.
+        token_threshold (`float`, defaults to 0.3):
+            A drafted token is accepted when its autoregressive probability exceeds this.
+        block_length (`int`, defaults to 32):
+            Tokens per serial block (semi-autoregressive decoding); a multiple of `slot_size`.
+        train_slot_sizes (`list[int]`, defaults to `[4, 8, 16, 32]`):
+            Slot sizes drawn from, one per example, by the hybrid training objective.
+        mask_eps (`float`, defaults to 1e-3):
+            Smallest noise level of the masked-diffusion loss: `p = (1 - eps) * t + eps`.
+    """
+
+    model_type = "refusion"
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="qwen3")}
+
+    text_config: dict | PreTrainedConfig | None = None
+    mask_token_id: int | None = None
+    slot_size: int = 8
+    slot_threshold: float = 0.8
+    token_threshold: float = 0.3
+    block_length: int = 32
+    train_slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    mask_eps: float = 1e-3
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if isinstance(self.text_config, dict) and self.text_config.get("model_type") not in (None, *SUPPORTED_BACKBONES):
+            raise ValueError(_unsupported_message(self.text_config["model_type"]))
+        super().__post_init__(**kwargs)
+        if self.text_config.model_type not in SUPPORTED_BACKBONES:
+            raise ValueError(_unsupported_message(self.text_config.model_type))
+        # The backbone decides whether the output layer shares the input embeddings.
+        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
+        self.train_slot_sizes = [int(size) for size in self.train_slot_sizes]
+        self.validate_refusion_fields()
+
+    def validate_refusion_fields(self) -> None:
+        """Raise a `ValueError` naming the first ReFusion field that is out of range."""
+        vocab_size = self.text_config.vocab_size
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {vocab_size}).")
+        if self.slot_size < 1:
+            raise ValueError(f"slot_size must be at least 1, got {self.slot_size}.")
+        if self.block_length < 1 or self.block_length % self.slot_size:
+            raise ValueError(
+                f"block_length ({self.block_length}) must be a positive multiple of slot_size ({self.slot_size})."
+            )
+        for name in ("slot_threshold", "token_threshold"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}.")
+        if not self.train_slot_sizes or min(self.train_slot_sizes) < 1:
+            raise ValueError(f"train_slot_sizes must be a non-empty list of positive sizes, got {self.train_slot_sizes}.")
+        if not 0.0 < self.mask_eps < 1.0:
+            raise ValueError(f"mask_eps must lie in (0, 1), got {self.mask_eps}.")
+
+
+def _unsupported_message(model_type: str) -> str:
+    return (
+        f"ReFusion needs a causal decoder with rotary position embeddings that honours caller-given position ids; "
+        f"backbone model_type {model_type!r} is not supported. Supported backbones: {', '.join(SUPPORTED_BACKBONES)}."
+    )
+
+
+__all__ = ["RefusionConfig", "SUPPORTED_BACKBONES"]

@@ -1,0 +1,1 @@
+"""Turn autoregressive checkpoints into ReFusion models and fine-tune them under the hybrid objective."""

@@ -1,0 +1,180 @@
+"""ReFusion: parallel autoregressive slot decoding over an ordinary RoPE causal decoder.
+
+`RefusionForCausalLM` is the backbone causal LM unchanged (same modules, same parameter names:
+`model.*` and `lm_head.weight`) with two differences that the method relies on:
+
+* Tokens may be stored out of reading order. Attention follows storage order (causal over the index
+  in the sequence and the KV cache) while RoPE follows the caller-given `position_ids`, so slots that
+  were decoded later can sit before earlier ones without invalidating the cache.
+* Given a hybrid-objective batch, `forward` returns the ReFusion training loss: an autoregressive
+  loss on clean slots plus a masked-diffusion loss on masked slots (see `refusion_hybrid_loss`).
+
+Attention implementations: `sdpa` (default) and `eager` are correct for out-of-order position ids.
+Flash-attention and flex-attention are refused: the former treats non-monotone position ids as packed
+sequences and would silently change attention.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+try:
+    from .configuration_refusion import RefusionConfig
+except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from configuration_refusion import RefusionConfig
+
+IGNORE_INDEX = -100
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class RefusionCausalLMOutput(ModelOutput):
+    """Output of `RefusionForCausalLM.forward`: logits and cache, plus the hybrid loss and its two parts."""
+
+    loss: torch.FloatTensor | None = None
+    ar_loss: torch.FloatTensor | None = None
+    mdm_loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: object | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+def refusion_hybrid_loss(
+    logits: torch.Tensor,
+    labels: torch.LongTensor,
+    is_masked: torch.BoolTensor,
+    noise_level: torch.Tensor,
+    response_length: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return `(ar_loss + mdm_loss, ar_loss, mdm_loss)` for an aligned hybrid-objective batch.
+
+    `labels` are already aligned with `logits` (no shift): inside a clean slot a token's label is the next
+    token of that slot, at a `[MASK]` position it is the original token there, elsewhere `IGNORE_INDEX`.
+    The AR loss is the mean cross-entropy over clean-slot labels. The MDM loss weights each masked
+    token's cross-entropy by `1 / (noise_level * response_length)` of its example, sums, and averages
+    over the batch.
+    """
+    labelled = labels != IGNORE_INDEX
+    token_loss = F.cross_entropy(logits[labelled].float(), labels[labelled], reduction="none")
+    masked = is_masked[labelled]
+
+    ar_count = (~masked).sum()
+    ar_loss = torch.where(~masked, token_loss, 0.0).sum() / ar_count.clamp(min=1)
+
+    weight = 1.0 / (noise_level.float() * response_length.float().clamp(min=1))
+    token_weight = weight[:, None].expand_as(labels)[labelled]
+    mdm_loss = torch.where(masked, token_loss * token_weight, 0.0).sum() / labels.shape[0]
+    return ar_loss + mdm_loss, ar_loss, mdm_loss
+
+
+class RefusionPreTrainedModel(PreTrainedModel):
+    config: RefusionConfig
+    config_class = RefusionConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+
+
+class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
+    """A causal LM whose forward honours out-of-order storage and computes the ReFusion hybrid loss."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: RefusionConfig):
+        super().__init__(config)
+        text_config = config.text_config
+        self.model = AutoModel.from_config(text_config)
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self._no_split_modules = self.model._no_split_modules
+        self.post_init()
+
+    def _check_attention_implementation(self) -> None:
+        implementation = self.config.text_config._attn_implementation or "sdpa"
+        if implementation not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attn_implementation={implementation!r} is not supported by ReFusion: it must keep attention in "
+                f"storage order with out-of-order position ids. Use one of {SUPPORTED_ATTENTION}."
+            )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        is_masked: torch.BoolTensor | None = None,
+        noise_level: torch.Tensor | None = None,
+        response_length: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> RefusionCausalLMOutput:
+        r"""
+        position_ids (`torch.LongTensor` of shape `(batch, seq)`):
+            Original (reading-order) index of every stored token; RoPE uses these while attention follows
+            storage order. Defaults to `past_length + arange(seq)` as in any causal LM.
+        attention_mask (`torch.Tensor`):
+            A 2D padding mask `(batch, past + seq)` or a prepared 4D additive/boolean mask
+            `(batch, 1, seq, past + seq)`, used as given. When omitted, an all-ones 2D mask is used so that
+            out-of-order position ids are never mistaken for packed sequences.
+        labels (`torch.LongTensor` of shape `(batch, seq)`):
+            Hybrid-objective labels, already aligned with the logits (no shift); see `refusion_hybrid_loss`.
+        is_masked (`torch.BoolTensor` of shape `(batch, seq)`):
+            True at `[MASK]` positions (MDM loss); required with `labels`.
+        noise_level (`torch.FloatTensor` of shape `(batch,)`), response_length (`torch.LongTensor` of shape `(batch,)`):
+            Per-example masking probability and response length that scale the MDM loss.
+        """
+        self._check_attention_implementation()
+        if labels is not None and (is_masked is None or noise_level is None or response_length is None):
+            raise ValueError(
+                "ReFusion labels are aligned hybrid-objective labels, not shifted next-token labels: pass `is_masked`, "
+                "`noise_level` and `response_length` with them (the hybrid batch builder in finetune/ makes all four)."
+            )
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if attention_mask is None:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            attention_mask = torch.ones(
+                reference.shape[0], past_length + reference.shape[1], dtype=torch.long, device=reference.device
+            )
+
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            cache=cache,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+
+        loss = ar_loss = mdm_loss = None
+        if labels is not None:
+            loss, ar_loss, mdm_loss = refusion_hybrid_loss(logits, labels, is_masked, noise_level, response_length)
+
+        return RefusionCausalLMOutput(
+            loss=loss,
+            ar_loss=ar_loss,
+            mdm_loss=mdm_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["RefusionForCausalLM", "RefusionPreTrainedModel", "RefusionCausalLMOutput", "refusion_hybrid_loss"]
