@@ -12,6 +12,11 @@ from transformers.configuration_utils import SubConfigSpec
 # Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and
 # whose mask builder passes a prepared 4D mask through untouched. Each one is covered by the tests.
 SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_AUTO_MAP = {
+    "AutoConfig": "configuration_refusion.RefusionConfig",
+    "AutoModel": "modeling_refusion.RefusionForCausalLM",
+    "AutoModelForCausalLM": "modeling_refusion.RefusionForCausalLM",
+}
 
 
 class RefusionConfig(PreTrainedConfig):
@@ -49,7 +54,10 @@ class RefusionConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
-        if isinstance(self.text_config, dict) and self.text_config.get("model_type") not in (None, *SUPPORTED_BACKBONES):
+        if isinstance(self.text_config, dict) and self.text_config.get("model_type") not in (
+            None,
+            *SUPPORTED_BACKBONES,
+        ):
             raise ValueError(_unsupported_message(self.text_config["model_type"]))
         super().__post_init__(**kwargs)
         if self.text_config.model_type not in SUPPORTED_BACKBONES:
@@ -58,6 +66,8 @@ class RefusionConfig(PreTrainedConfig):
         self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
         self.train_slot_sizes = [int(size) for size in self.train_slot_sizes]
         self.validate_refusion_fields()
+        # Remote-code entry points: AutoModel and AutoModelForCausalLM both give the causal LM.
+        self.auto_map = {**DEFAULT_AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
 
     def validate_refusion_fields(self) -> None:
         """Raise a `ValueError` naming the first ReFusion field that is out of range."""
@@ -74,7 +84,9 @@ class RefusionConfig(PreTrainedConfig):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}.")
         if not self.train_slot_sizes or min(self.train_slot_sizes) < 1:
-            raise ValueError(f"train_slot_sizes must be a non-empty list of positive sizes, got {self.train_slot_sizes}.")
+            raise ValueError(
+                f"train_slot_sizes must be a non-empty list of positive sizes, got {self.train_slot_sizes}."
+            )
         if not 0.0 < self.mask_eps < 1.0:
             raise ValueError(f"mask_eps must lie in (0, 1), got {self.mask_eps}.")
 

@@ -59,14 +59,15 @@ def refusion_hybrid_loss(
     token's cross-entropy by `1 / (noise_level * response_length)` of its example, sums, and averages
     over the batch.
     """
+    loss_dtype = torch.promote_types(logits.dtype, torch.float32)  # half precision up, float64 kept
     labelled = labels != IGNORE_INDEX
-    token_loss = F.cross_entropy(logits[labelled].float(), labels[labelled], reduction="none")
+    token_loss = F.cross_entropy(logits[labelled].to(loss_dtype), labels[labelled], reduction="none")
     masked = is_masked[labelled]
 
     ar_count = (~masked).sum()
     ar_loss = torch.where(~masked, token_loss, 0.0).sum() / ar_count.clamp(min=1)
 
-    weight = 1.0 / (noise_level.float() * response_length.float().clamp(min=1))
+    weight = 1.0 / (noise_level.to(loss_dtype) * response_length.to(loss_dtype).clamp(min=1))
     token_weight = weight[:, None].expand_as(labels)[labelled]
     mdm_loss = torch.where(masked, token_loss * token_weight, 0.0).sum() / labels.shape[0]
     return ar_loss + mdm_loss, ar_loss, mdm_loss
@@ -136,6 +137,8 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
             Per-example masking probability and response length that scale the MDM loss.
         """
         self._check_attention_implementation()
+        if labels is not None and logits_to_keep:
+            raise ValueError("`logits_to_keep` cannot be combined with `labels`: the loss needs every position.")
         if labels is not None and (is_masked is None or noise_level is None or response_length is None):
             raise ValueError(
                 "ReFusion labels are aligned hybrid-objective labels, not shifted next-token labels: pass `is_masked`, "
@@ -176,5 +179,9 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+
+# `save_pretrained` then copies these files next to the weights and records them in `auto_map`.
+RefusionConfig.register_for_auto_class()
+RefusionForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["RefusionForCausalLM", "RefusionPreTrainedModel", "RefusionCausalLMOutput", "refusion_hybrid_loss"]
