@@ -1,0 +1,269 @@
+"""Property tests of the hybrid-objective batch builder and its collator (`finetune/hybrid.py`)."""
+
+import itertools
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from finetune.hybrid import IGNORE_INDEX, HybridObjectiveCollator, build_hybrid_batch
+
+MASK = 127
+PAD = 0  # deliberately also a real token id in the examples: padding must be told apart by the attention mask
+SLOT_SIZE_SETS = [(1,), (3,), (4, 8, 16, 32), (1, 2, 5), (7,)]
+DTYPES = {
+    "input_ids": torch.long,
+    "attention_mask": torch.long,
+    "position_ids": torch.long,
+    "labels": torch.long,
+    "is_masked": torch.bool,
+    "noise_level": torch.float32,
+    "response_length": torch.long,
+    "slot_size": torch.long,
+}
+
+
+def random_examples(rng: random.Random, count: int, slot_sizes: tuple[int, ...]) -> tuple[list, list]:
+    """Draw prompt/response pairs whose response lengths hit the edge cases of the given slot sizes."""
+    prompts, responses = [], []
+    for _ in range(count):
+        size = rng.choice(slot_sizes)
+        length = rng.choice([1, max(size - 1, 1), size, 2 * size, 3 * size + 1, rng.randint(1, 40)])
+        prompts.append([rng.randrange(MASK) for _ in range(rng.randint(1, 6))])
+        responses.append([rng.randrange(MASK) for _ in range(length)])
+    return prompts, responses
+
+
+def split_slots(positions: list[int], prompt_length: int, size: int, response_length: int) -> list[int]:
+    """Cut a run of stored position ids into whole slots (asserting it is one) and return their slot indices."""
+    slots, i = [], 0
+    while i < len(positions):
+        start = positions[i] - prompt_length
+        assert start % size == 0, f"stored run starts mid-slot at response index {start}"
+        length = min(size, response_length - start)
+        assert positions[i : i + length] == list(range(positions[i], positions[i] + length)), "slot not contiguous"
+        slots.append(start // size)
+        i += length
+    return slots
+
+
+def check_row(batch: dict, b: int, prompt: list[int], response: list[int], slot_sizes, eps: float) -> tuple[int, int]:
+    """Assert every layout and label property of row `b`; return (masked slots, slots)."""
+    ids, pos = batch["input_ids"][b].tolist(), batch["position_ids"][b].tolist()
+    labels, masked = batch["labels"][b].tolist(), batch["is_masked"][b].tolist()
+    original = prompt + response
+    n_prompt, n_response, n = len(prompt), len(response), len(prompt) + len(response)
+    size = int(batch["slot_size"][b])
+    p = float(batch["noise_level"][b])
+
+    assert size in slot_sizes
+    assert eps - 1e-7 <= p <= 1.0
+    assert int(batch["response_length"][b]) == n_response
+    assert batch["attention_mask"][b].tolist() == [1] * n + [0] * (len(ids) - n)
+    # Padding: pad id, position 0, no label, not masked.
+    assert ids[n:] == [PAD] * (len(ids) - n) and pos[n:] == [0] * (len(ids) - n)
+    assert set(labels[n:]) <= {IGNORE_INDEX} and not any(masked[n:])
+
+    # Every real token keeps its reading-order position exactly once.
+    assert sorted(pos[:n]) == list(range(n))
+    # Prompt first, in order, unlabelled.
+    assert ids[:n_prompt] == prompt and pos[:n_prompt] == list(range(n_prompt))
+    assert labels[:n_prompt] == [IGNORE_INDEX] * n_prompt and not any(masked[:n_prompt])
+
+    # Response: clean region, then masked region (is_masked never goes back to False).
+    n_clean = n_response - sum(masked[:n])
+    assert masked[n_prompt : n_prompt + n_clean] == [False] * n_clean
+    assert masked[n_prompt + n_clean : n] == [True] * (n - n_prompt - n_clean)
+    clean_pos = pos[n_prompt : n_prompt + n_clean]
+    masked_pos = pos[n_prompt + n_clean : n]
+    clean_slots = split_slots(clean_pos, n_prompt, size, n_response)
+    masked_slots = split_slots(masked_pos, n_prompt, size, n_response)
+    assert masked_pos == sorted(masked_pos), "masked slots must stay in reading order"
+    assert sorted(clean_slots + masked_slots) == list(range(-(-n_response // size))), "masking is by whole slots"
+
+    for i in range(n_prompt, n):
+        q = pos[i]
+        if masked[i]:
+            assert ids[i] == MASK and labels[i] == original[q]
+        else:
+            assert ids[i] == original[q]
+            same_slot = q + 1 < n and (q + 1 - n_prompt) % size != 0
+            assert labels[i] == (original[q + 1] if same_slot else IGNORE_INDEX)
+    return len(masked_slots), len(clean_slots) + len(masked_slots)
+
+
+@pytest.mark.parametrize("slot_sizes", SLOT_SIZE_SETS)
+def test_layout_and_labels_over_many_seeds(slot_sizes):
+    rng = random.Random(sum(slot_sizes))
+    eps = 1e-3
+    for seed in range(40):
+        prompts, responses = random_examples(rng, rng.randint(1, 6), slot_sizes)
+        generator = torch.Generator().manual_seed(seed)
+        batch = build_hybrid_batch(
+            prompts,
+            responses,
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            slot_sizes=slot_sizes,
+            eps=eps,
+            generator=generator,
+        )
+        longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        assert batch["input_ids"].shape == (len(prompts), longest)
+        assert {key: value.dtype for key, value in batch.items()} == DTYPES
+        for b, (prompt, response) in enumerate(zip(prompts, responses)):
+            check_row(batch, b, prompt, response, slot_sizes, eps)
+
+
+def test_tensor_inputs_match_list_inputs():
+    prompts, responses = random_examples(random.Random(0), 5, (4,))
+    as_tensors = [torch.tensor(x, dtype=torch.int32) for x in prompts], [torch.tensor(x) for x in responses]
+    from_lists = build_hybrid_batch(
+        prompts, responses, mask_token_id=MASK, pad_token_id=PAD, generator=torch.Generator().manual_seed(1)
+    )
+    from_tensors = build_hybrid_batch(
+        *as_tensors, mask_token_id=MASK, pad_token_id=PAD, generator=torch.Generator().manual_seed(1)
+    )
+    assert from_lists.keys() == from_tensors.keys()
+    for key in from_lists:
+        assert torch.equal(from_lists[key], from_tensors[key]), key
+
+
+def draw_many(count: int, slot_sizes: tuple[int, ...], response_length: int, seed: int = 0) -> dict:
+    """One batch of `count` identical-shape examples, for statistics over the random draws."""
+    prompts = [[1, 2]] * count
+    responses = [list(range(3, 3 + response_length))] * count
+    generator = torch.Generator().manual_seed(seed)
+    return build_hybrid_batch(
+        prompts, responses, mask_token_id=MASK, pad_token_id=PAD, slot_sizes=slot_sizes, generator=generator
+    )
+
+
+def test_noise_level_and_masked_fraction_statistics():
+    eps = 1e-3
+    batch = draw_many(2000, (4,), response_length=40)  # 10 slots per example
+    p = batch["noise_level"].double()
+    masked_fraction = batch["is_masked"].double().sum(1) / 40
+    assert p.min() >= eps - 1e-7 and p.max() <= 1.0
+    assert abs(p.mean().item() - 0.5) < 0.03  # t ~ U(0, 1)
+    assert abs((masked_fraction - p).mean().item()) < 0.02  # E[fraction | p] = p
+    assert torch.corrcoef(torch.stack([p, masked_fraction]))[0, 1] > 0.9
+    low, high = masked_fraction[p < 0.2].mean().item(), masked_fraction[p > 0.8].mean().item()
+    assert low < 0.2 and high > 0.8
+
+
+def test_slot_sizes_drawn_uniformly():
+    sizes = Counter(draw_many(2000, (4, 8, 16, 32), response_length=20)["slot_size"].tolist())
+    assert set(sizes) == {4, 8, 16, 32}
+    assert all(400 < count < 600 for count in sizes.values()), sizes
+
+
+def test_clean_slots_are_shuffled_uniformly():
+    batch = draw_many(3000, (1,), response_length=3)
+    all_clean = ~batch["is_masked"].any(1)
+    orders = Counter(tuple(row[2:5].tolist()) for row in batch["position_ids"][all_clean])
+    assert set(orders) == set(itertools.permutations([2, 3, 4]))
+    assert all(count > 0.6 * all_clean.sum().item() / 6 for count in orders.values()), orders
+
+
+def test_same_seed_same_batch_different_seed_different_batch():
+    prompts, responses = random_examples(random.Random(3), 8, (4, 8, 16, 32))
+
+    def build(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return build_hybrid_batch(prompts, responses, mask_token_id=MASK, pad_token_id=PAD, generator=generator)
+
+    first, again, other = build(5), build(5), build(6)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)
+
+
+def test_collator_on_list_features():
+    rng = random.Random(7)
+    prompts, responses = random_examples(rng, 4, (2, 3))
+    features = [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+    collator = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD, slot_sizes=(2, 3), seed=11)
+    batch = collator(features)
+    for b, (prompt, response) in enumerate(zip(prompts, responses)):
+        check_row(batch, b, prompt, response, (2, 3), collator.eps)
+    # Same seed replays the same sequence of batches; successive calls draw fresh noise.
+    replay = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD, slot_sizes=(2, 3), seed=11)
+    assert all(torch.equal(batch[key], value) for key, value in replay(features).items())
+    next_batches = [collator(features) for _ in range(5)]
+    assert any(not torch.equal(batch["noise_level"], later["noise_level"]) for later in next_batches)
+
+
+def test_collator_without_seed_follows_global_seed():
+    features = [{"prompt_ids": [1, 2], "response_ids": list(range(3, 30))}] * 3
+    torch.manual_seed(0)
+    first = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD)(features)
+    torch.manual_seed(0)
+    again = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD)(features)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+
+
+def test_collator_from_config():
+    # A stand-in with RefusionConfig's field names; tests/test_hybrid_loss.py uses the real RefusionConfig.
+    config = SimpleNamespace(mask_token_id=MASK, train_slot_sizes=[2, 6], mask_eps=0.05)
+    collator = HybridObjectiveCollator.from_config(config, pad_token_id=PAD, seed=0)
+    assert (collator.mask_token_id, collator.pad_token_id, collator.slot_sizes, collator.eps) == (
+        MASK,
+        PAD,
+        (2, 6),
+        0.05,
+    )
+    batch = collator([{"prompt_ids": [5], "response_ids": list(range(1, 13))}] * 50)
+    assert set(batch["slot_size"].tolist()) == {2, 6} and batch["noise_level"].min() >= 0.05 - 1e-7
+    with pytest.raises(ValueError, match="mask_token_id"):
+        HybridObjectiveCollator.from_config(
+            SimpleNamespace(mask_token_id=None, train_slot_sizes=[4], mask_eps=0.1), PAD
+        )
+
+
+def test_collator_in_dataloader_workers_draws_distinct_noise():
+    features = [{"prompt_ids": [1], "response_ids": list(range(2, 40))}] * 8
+    collator = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD, slot_sizes=(1,), seed=0)
+    loader = torch.utils.data.DataLoader(features, batch_size=4, num_workers=2, collate_fn=collator)
+    first, second = (batch["noise_level"] for batch in loader)  # one batch from each worker
+    assert not torch.equal(first, second)
+
+
+GOOD = {"prompts": [[1, 2]], "responses": [[3, 4, 5]]}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"responses": [[]]}, "response of example 0 is empty"),
+        ({"prompts": [[1], []], "responses": [[2], [3]]}, "prompt of example 1 is empty"),
+        ({"prompts": [[1], [2]]}, "2 prompts but 1 responses"),
+        ({"prompts": [], "responses": []}, "zero examples"),
+        ({"responses": [[3, MASK, 5]]}, "response of example 0 contains mask_token_id"),
+        ({"prompts": [[MASK]]}, "prompt of example 0 contains mask_token_id"),
+        ({"prompts": [[[1, 2]]]}, "must be 1-D"),
+        ({"slot_sizes": ()}, "slot_sizes"),
+        ({"slot_sizes": (4, 0)}, "slot_sizes"),
+        ({"slot_sizes": (2.5,)}, "slot_sizes"),
+        ({"eps": 0.0}, "eps"),
+        ({"eps": 1.0}, "eps"),
+    ],
+)
+def test_bad_inputs_raise(change, message):
+    kwargs = {**GOOD, "slot_sizes": (4,), "eps": 1e-3, **change}
+    with pytest.raises(ValueError, match=message):
+        build_hybrid_batch(
+            kwargs["prompts"],
+            kwargs["responses"],
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            slot_sizes=kwargs["slot_sizes"],
+            eps=kwargs["eps"],
+        )
+
+
+def test_collator_rejects_bad_features():
+    collator = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD, seed=0)
+    with pytest.raises(ValueError, match="response of example 1 is empty"):
+        collator([{"prompt_ids": [1], "response_ids": [2]}, {"prompt_ids": [1], "response_ids": []}])
