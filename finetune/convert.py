@@ -1,0 +1,181 @@
+"""Convert an autoregressive causal LM into a ReFusion model without changing what it computes.
+
+    python -m finetune.convert --model_name_or_path Qwen/Qwen3-0.6B --output_dir refusion-qwen3-0.6b
+    python -m finetune.convert --model_name_or_path ./smollm2 --gguf_file SmolLM2-135M-Instruct.Q4_1.gguf \
+        --output_dir refusion-smollm2
+
+The converted model keeps the backbone's modules and parameter names; the only additions are a `[MASK]`
+token (reused when the tokenizer already has one) and ReFusion's configuration and generation defaults.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from configuration_refusion import RefusionConfig
+from modeling_refusion import SUPPORTED_ATTENTION, RefusionForCausalLM
+
+DEFAULT_MASK_TOKEN = "<|mask|>"
+DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
+
+
+def load_causal_lm(
+    name_or_path: str | os.PathLike, gguf_file: str | None = None, **model_kwargs
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a folder, a Hub id or a GGUF file inside a folder."""
+    if gguf_file is not None and not (Path(name_or_path) / gguf_file).is_file() and Path(name_or_path).is_dir():
+        raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {str(name_or_path)!r}.")
+    model_kwargs.setdefault("dtype", torch.float32 if gguf_file else "auto")
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, gguf_file=gguf_file, **model_kwargs)
+    return model, tokenizer
+
+
+def add_mask_token(tokenizer: PreTrainedTokenizerBase, mask_token: str | None = None) -> tuple[int, bool]:
+    """Set the tokenizer's mask token, adding it to the vocabulary only if absent; return `(id, was_added)`."""
+    mask_token = mask_token or tokenizer.mask_token or DEFAULT_MASK_TOKEN
+    size_before = len(tokenizer)
+    tokenizer.add_special_tokens({"mask_token": mask_token})
+    mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
+    reserved = {
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+        "bos": tokenizer.bos_token_id,
+    }
+    for name, token_id in reserved.items():
+        if token_id is not None and token_id == mask_token_id:
+            raise ValueError(f"The mask token {mask_token!r} is the tokenizer's {name} token (id {token_id}).")
+    return mask_token_id, len(tokenizer) > size_before
+
+
+@torch.no_grad()
+def _make_room_for_mask(model: PreTrainedModel, mask_token_id: int) -> None:
+    """Grow the embeddings if the mask id lies past them, and give the mask row the mean embedding."""
+    input_embeddings = model.get_input_embeddings()
+    if mask_token_id >= input_embeddings.num_embeddings:
+        model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
+    known_rows = min(mask_token_id, input_embeddings.num_embeddings)
+    for embedding in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
+        embedding[mask_token_id] = embedding[:known_rows].mean(dim=0)
+
+
+def convert_to_refusion(
+    model: PreTrainedModel | str | os.PathLike,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    mask_token: str | None = None,
+    *,
+    gguf_file: str | None = None,
+    **refusion_kwargs,
+) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
+    """Wrap a causal LM (or a path/Hub id to load) as a `RefusionForCausalLM` sharing its modules.
+
+    The mask token is `mask_token`, else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary
+    (with the mean embedding) only when missing. `refusion_kwargs` set `RefusionConfig` fields such as
+    `slot_size` or `train_slot_sizes`. On ordinary left-to-right input the result computes the same logits
+    as the base model over the base vocabulary.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        model, loaded_tokenizer = load_causal_lm(model, gguf_file=gguf_file)
+        tokenizer = tokenizer or loaded_tokenizer
+    if tokenizer is None:
+        raise ValueError("convert_to_refusion needs the tokenizer when given a loaded model.")
+    if isinstance(model, RefusionForCausalLM):
+        raise ValueError("The model is already a RefusionForCausalLM.")
+
+    mask_token_id, added = add_mask_token(tokenizer, mask_token)
+    if added or mask_token_id >= model.get_input_embeddings().num_embeddings:
+        _make_room_for_mask(model, mask_token_id)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    config = RefusionConfig(text_config=model.config, mask_token_id=mask_token_id, **refusion_kwargs)
+    with torch.device("meta"):
+        refusion = RefusionForCausalLM(config)
+    refusion.model = model.model
+    refusion.lm_head = model.lm_head
+    if model.config._attn_implementation not in SUPPORTED_ATTENTION:
+        refusion.set_attn_implementation("sdpa")
+    refusion.generation_config = refusion_generation_config(model.generation_config, config, tokenizer)
+    refusion.eval()
+    return refusion, tokenizer
+
+
+def refusion_generation_config(
+    base: GenerationConfig, config: RefusionConfig, tokenizer: PreTrainedTokenizerBase
+) -> GenerationConfig:
+    """The base model's generation defaults plus ReFusion's decoding parameters and special tokens."""
+    generation_config = GenerationConfig.from_dict(base.to_dict())
+    for name in DECODING_FIELDS:
+        setattr(generation_config, name, getattr(config, name))
+    generation_config.mask_token_id = config.mask_token_id
+    if generation_config.eos_token_id is None:
+        generation_config.eos_token_id = tokenizer.eos_token_id
+    if generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+    return generation_config
+
+
+def save_refusion(
+    model: RefusionForCausalLM, tokenizer: PreTrainedTokenizerBase, output_dir: str | os.PathLike
+) -> Path:
+    """Write model (safetensors), code, configs and tokenizer so that `output_dir` appears only when complete."""
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if output_dir.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+            os.replace(output_dir, retired / output_dir.name)
+            os.replace(staging, output_dir)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m finetune.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model_name_or_path", required=True, help="Folder or Hub id of a causal LM.")
+    parser.add_argument("--gguf_file", default=None, help="GGUF file inside --model_name_or_path to load.")
+    parser.add_argument("--output_dir", required=True, help="Where to write the ReFusion model.")
+    parser.add_argument(
+        "--mask_token", default=None, help=f"Mask token (default: the tokenizer's, else {DEFAULT_MASK_TOKEN})."
+    )
+    parser.add_argument("--slot_size", type=int, default=None, help="Default decoding slot size.")
+    parser.add_argument("--block_length", type=int, default=None, help="Default tokens per serial block.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {name: getattr(args, name) for name in ("slot_size", "block_length") if getattr(args, name) is not None}
+    try:
+        model, tokenizer = convert_to_refusion(
+            args.model_name_or_path, mask_token=args.mask_token, gguf_file=args.gguf_file, **overrides
+        )
+        output_dir = save_refusion(model, tokenizer, args.output_dir)
+    except (OSError, ValueError) as error:
+        message = " ".join(str(error).split())
+        print(f"finetune.convert: error: {message}", file=sys.stderr)
+        return 1
+    print(
+        f"Converted {args.model_name_or_path} ({model.config.text_config.model_type}, "
+        f"{model.num_parameters() / 1e6:.1f}M parameters) to ReFusion with mask token "
+        f"{tokenizer.mask_token!r} (id {model.config.mask_token_id}) -> {output_dir}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (CPU torch first, then this package with its test extras) and run the linter and the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e ".[test]"
+ruff check .
+python -m pytest -q "$@"

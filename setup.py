@@ -1,0 +1,24 @@
+"""ReFusion for the Hugging Face ecosystem: the three Hub model files plus the `finetune` package."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+TRAIN = ["trl>=1.16,<2", "peft>=0.21,<1", "datasets>=4", "accelerate>=1.10", "bitsandbytes>=0.49"]
+GGUF = ["gguf>=0.17", "accelerate>=1.10"]
+TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF]
+
+setup(
+    name="refusion",
+    version="0.1.0",
+    description="ReFusion: parallel autoregressive slot decoding for any Llama/Qwen/Mistral checkpoint",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    py_modules=["configuration_refusion", "modeling_refusion"],
+    packages=find_packages(include=["finetune", "finetune.*"]),
+    install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
+    extras_require={"train": TRAIN, "gguf": GGUF, "test": TEST},
+    entry_points={"console_scripts": ["refusion-convert=finetune.convert:main"]},
+)

@@ -1,0 +1,127 @@
+"""Loading a converted folder as a Hub user: only torch + transformers, remote code, offline, any directory."""
+
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import torch
+from tiny import tiny_backbone, tiny_tokenizer
+
+from finetune.convert import convert_to_refusion, save_refusion
+
+ROOT = Path(__file__).resolve().parents[1]
+HUB_FILES = ("configuration_refusion.py", "modeling_refusion.py")
+
+# Runs with `python -I -S`: no user site, no .pth files (so no editable install of this project), no
+# repository on sys.path; only the interpreter's site-packages is added back. Importing this project's
+# modules by their installed names is made to fail, so the load can only come from the folder's own code.
+HUB_USER = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+    sys.path.append({site_packages!r})
+
+    class RefuseProject(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            project = {{"finetune", "configuration_refusion", "modeling_refusion", "generation_refusion"}}
+            if name.split(".")[0] in project:
+                raise ImportError(f"{{name}} must not be needed by a Hub user")
+
+    sys.meta_path.insert(0, RefuseProject())
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    folder = {folder!r}
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    encoder = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    inputs = torch.load({inputs!r})
+    with torch.no_grad():
+        logits = model(inputs).logits
+    extras = ("trl", "peft", "datasets", "gguf", "bitsandbytes", "finetune")
+    optional = sorted(name for name in extras if name in sys.modules)
+    print(json.dumps({{
+        "classes": [type(model).__module__ + "." + type(model).__name__, type(encoder).__name__],
+        "mask_token": tokenizer.mask_token,
+        "mask_token_id": model.config.mask_token_id,
+        "max_difference": (logits - torch.load({expected!r})).abs().max().item(),
+        "optional_imports": optional,
+    }}))
+    """
+)
+
+
+def test_converted_folder_loads_with_only_torch_and_transformers(tmp_path):
+    tokenizer = tiny_tokenizer()
+    model, tokenizer = convert_to_refusion(tiny_backbone("qwen3", vocab_size=len(tokenizer)), tokenizer)
+    folder = save_refusion(model, tokenizer, tmp_path / "hub-model")
+    inputs = torch.randint(3, len(tokenizer) - 1, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.save(model(inputs).logits, tmp_path / "expected.pt")
+    torch.save(inputs, tmp_path / "inputs.pt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    script = HUB_USER.format(
+        site_packages=sysconfig.get_paths()["purelib"],
+        folder=str(folder),
+        inputs=str(tmp_path / "inputs.pt"),
+        expected=str(tmp_path / "expected.pt"),
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"), "PATH": ""},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    module, encoder = report["classes"]
+    assert module.startswith("transformers_modules.") and module.endswith("modeling_refusion.RefusionForCausalLM")
+    assert encoder == "RefusionForCausalLM"
+    assert (report["mask_token"], report["mask_token_id"]) == ("<|mask|>", model.config.mask_token_id)
+    assert report["max_difference"] <= 1e-6
+    assert report["optional_imports"] == []
+
+
+def test_hub_files_import_only_torch_transformers_and_each_other():
+    import ast
+
+    allowed = {"torch", "transformers", "dataclasses", "math", "typing", "collections", "__future__", "time"}
+    for name in HUB_FILES:
+        tree = ast.parse((ROOT / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            project = {"configuration_refusion", "modeling_refusion", "generation_refusion"}
+            assert roots <= allowed | project, f"{name} imports {roots - allowed - project}"
+
+
+def test_wheel_installs_the_hub_files_as_top_level_modules(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(tmp_path.glob("refusion-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        archive.extractall(tmp_path / "installed")
+    assert set(HUB_FILES) <= names
+    assert "finetune/convert.py" in names
+    result = subprocess.run(
+        [sys.executable, "-c", "import modeling_refusion, configuration_refusion; print(modeling_refusion.__file__)"],
+        cwd=tmp_path / "installed",
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path / "installed") in result.stdout
