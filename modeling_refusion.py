@@ -24,8 +24,10 @@ from transformers.utils import ModelOutput
 
 try:
     from .configuration_refusion import RefusionConfig
+    from .generation_refusion import RefusionGenerateOutput, refusion_generate
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from configuration_refusion import RefusionConfig
+    from generation_refusion import RefusionGenerateOutput, refusion_generate
 
 IGNORE_INDEX = -100
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -178,6 +180,25 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.LongTensor | None = None,
+        generation_config=None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.LongTensor | RefusionGenerateOutput:
+        r"""ReFusion plan-and-infill decoding (see `generation_refusion`).
+
+        Takes the usual `max_new_tokens`/`max_length`, `eos_token_id`, `pad_token_id`, `do_sample`, `temperature`,
+        `top_k`, `top_p`, `use_cache`, `return_dict_in_generate`, plus `slot_size`, `slot_threshold`,
+        `token_threshold` and `block_length`; defaults come from `generation_config` (the model's by default).
+        Returns prompt + answer, with `pad_token_id` after an EOS.
+        """
+        input_ids = kwargs.pop("input_ids", inputs)
+        self._check_attention_implementation()
+        return refusion_generate(self, input_ids, attention_mask, generation_config, **kwargs)
 
 
 # `save_pretrained` then copies these files next to the weights and records them in `auto_map`.

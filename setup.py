@@ -16,7 +16,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    py_modules=["configuration_refusion", "modeling_refusion"],
+    py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion"],
     packages=find_packages(include=["finetune", "finetune.*"]),
     install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
     extras_require={"train": TRAIN, "gguf": GGUF, "test": TEST},

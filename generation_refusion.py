@@ -1,0 +1,452 @@
+"""ReFusion decoding: iterative plan-and-infill over slots with exact KV-cache reuse.
+
+The answer is cut into slots of `slot_size` consecutive tokens, grouped into serial blocks of `block_length`
+tokens. Inside a block every iteration runs:
+
+1. **plan**   one forward over the block's masked slots (after everything committed) drafts every masked token;
+              a slot's confidence is the probability of its first draft token. Slots above `slot_threshold`
+              are chosen, or the single most confident one.
+2. **verify** one causal forward over the chosen drafts in position order gives every drafted token its
+              autoregressive probability. The leading chosen slots whose tokens all pass `token_threshold` (a
+              slot's first token always passes) are committed with the K/V of this very forward.
+3. **infill** the other chosen slots are completed in parallel, in one forward per round, each attending only
+              to the committed sequence and to itself. A round accepts the drafts that pass and then one token
+              of the model's own (so every round advances), and redrafts the rest from the same forward.
+4. **commit** finished slots are appended to the sequence and the KV cache in commit order with their own
+              position ids; their K/V are computed once, at the start of the next forward.
+
+Every forward is `[pending tokens | queries]` after the cache: pending tokens (finished but not yet in the cache)
+are kept, the queries' K/V are cropped away again. Each stored token remembers what it attended to (a prefix of
+the sequence and its own slot), so `use_cache=False` can recompute every forward from scratch with exactly the
+same attention and must return exactly the same tokens.
+"""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.utils import ModelOutput
+
+DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
+
+
+@dataclass
+class RefusionGenerateOutput(ModelOutput):
+    """`sequences` (prompt + answer), the number of model calls and the answer tokens committed per call."""
+
+    sequences: torch.LongTensor | None = None
+    num_forward_passes: int | None = None
+    tokens_per_forward: float | None = None
+
+
+@dataclass
+class DecodingSettings:
+    """Everything `generate` decides before decoding, validated."""
+
+    slot_size: int
+    slot_threshold: float
+    token_threshold: float
+    block_length: int
+    max_new_tokens: int
+    mask_token_id: int
+    eos_token_ids: list[int]
+    pad_token_id: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    use_cache: bool
+
+
+def resolve_settings(model, generation_config: GenerationConfig | None, prompt_length: int, kwargs: dict):
+    """Merge the model's defaults, `generation_config` and `kwargs` (which win) into validated settings."""
+    explicit = {name: kwargs[name] for name in DECODING_FIELDS if kwargs.get(name) is not None}
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unused = config.update(**kwargs)
+    for name, value in unused.items():
+        if name not in DECODING_FIELDS and name != "mask_token_id":
+            raise ValueError(f"generate() got an argument ReFusion does not use: {name}={value!r}.")
+    decoding = {name: explicit.get(name, getattr(config, name, None)) for name in DECODING_FIELDS}
+    for name, value in decoding.items():
+        if value is None:
+            decoding[name] = getattr(model.config, name)
+    slot_size, block_length = decoding["slot_size"], decoding["block_length"]
+    if not isinstance(slot_size, int) or slot_size < 1:
+        raise ValueError(f"slot_size must be an integer >= 1, got {slot_size!r}.")
+    if "block_length" not in explicit and block_length % slot_size:
+        block_length = -(-block_length // slot_size) * slot_size  # adapt the default to whole slots
+    if not isinstance(block_length, int) or block_length < 1 or block_length % slot_size:
+        raise ValueError(f"block_length ({block_length}) must be a positive multiple of slot_size ({slot_size}).")
+    for name in ("slot_threshold", "token_threshold"):
+        if not 0.0 <= decoding[name] <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {decoding[name]}.")
+
+    mask_token_id = kwargs.get("mask_token_id", getattr(config, "mask_token_id", None))
+    mask_token_id = mask_token_id if mask_token_id is not None else model.config.mask_token_id
+    if mask_token_id is None:
+        raise ValueError("The model has no mask_token_id; convert it with finetune.convert first.")
+    eos = config.eos_token_id
+    eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_token_ids or [None])[0]
+    if pad_token_id is None:
+        raise ValueError("generate() needs a pad_token_id or an eos_token_id to fill the answer after it ends.")
+    if mask_token_id in eos_token_ids or mask_token_id == pad_token_id:
+        raise ValueError(f"The mask token id {mask_token_id} must differ from the EOS and pad token ids.")
+
+    max_new_tokens = config.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = config.max_length - prompt_length
+    if max_new_tokens < 1:
+        raise ValueError(
+            f"Nothing to generate: max_new_tokens={max_new_tokens} (max_length={config.max_length}, "
+            f"prompt length {prompt_length}). Pass max_new_tokens >= 1."
+        )
+    if config.num_beams not in (None, 1):
+        raise ValueError("ReFusion decoding does not support beam search (num_beams > 1).")
+    do_sample = bool(config.do_sample)
+    temperature = 1.0 if config.temperature is None else float(config.temperature)
+    top_k = int(config.top_k or 0)
+    top_p = 1.0 if config.top_p is None else float(config.top_p)
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}.")
+    if not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise ValueError(f"top_p must lie in (0, 1] and top_k be >= 0, got top_p={top_p}, top_k={top_k}.")
+    return DecodingSettings(
+        slot_size=slot_size,
+        slot_threshold=float(decoding["slot_threshold"]),
+        token_threshold=float(decoding["token_threshold"]),
+        block_length=block_length,
+        max_new_tokens=int(max_new_tokens),
+        mask_token_id=int(mask_token_id),
+        eos_token_ids=eos_token_ids,
+        pad_token_id=int(pad_token_id),
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        use_cache=bool(config.use_cache),
+    )
+
+
+def passes(probabilities: torch.Tensor, threshold: float) -> torch.Tensor:
+    """A probability passes a threshold when strictly above it; threshold 0 lets everything through."""
+    return probabilities > threshold if threshold > 0 else torch.ones_like(probabilities, dtype=torch.bool)
+
+
+def token_distribution(logits: torch.Tensor, settings: DecodingSettings) -> torch.Tensor:
+    """Probabilities that drafts are drawn from and checked against; the mask token is never proposed."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    logits[..., settings.mask_token_id] = float("-inf")
+    if not settings.do_sample:
+        return logits.softmax(dim=-1)
+    logits = logits / settings.temperature
+    if settings.top_k:
+        kth = logits.topk(min(settings.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if settings.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= settings.top_p  # keep the top token always
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def pick_tokens(probabilities: torch.Tensor, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or sampled token per row and its probability; sampling uses the exponential trick (no host sync)."""
+    if do_sample:
+        tokens = (probabilities / torch.empty_like(probabilities).exponential_(1)).argmax(dim=-1)
+    else:
+        tokens = probabilities.argmax(dim=-1)
+    return tokens, probabilities.gather(-1, tokens[..., None])[..., 0]
+
+
+@dataclass
+class Chunk:
+    """Tokens stored together and what each attends to: the first `prefix` stored tokens (every earlier token
+    when `prefix` is None) plus the earlier stored tokens of its own group."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    groups: torch.Tensor
+    prefix: int | None = None
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+class SlotDecoder:
+    """Plan-and-infill decoding of one prompt. The sequence holds the prompt and the committed slots in commit
+    order; with `use_cache` their K/V live in a `DynamicCache` and are never recomputed."""
+
+    MASKED, INFILLING, DONE = range(3)
+
+    def __init__(self, model, prompt: torch.LongTensor, settings: DecodingSettings):
+        self.model, self.settings, self.device = model, settings, prompt.device
+        self.prompt_length = prompt.shape[0]
+        self.num_slots = -(-settings.max_new_tokens // settings.slot_size)
+        self.offsets = torch.arange(settings.slot_size, device=self.device)
+        self.answer = torch.full((self.num_slots * settings.slot_size,), settings.mask_token_id, device=self.device)
+        self.drafts = self.answer.clone()
+        self.eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=self.device)
+        self.status = [self.MASKED] * self.num_slots
+        self.end = self.answer.shape[0]  # answer length; moves to just after the first committed EOS
+        self.cache = DynamicCache() if settings.use_cache else None
+        self.stored: list[Chunk] = []  # chunks in the sequence, in storage order (K/V cached or pending)
+        self.pending: list[Chunk] = []  # the tail of `stored` whose K/V the next forward computes
+        self.length = 0
+        self.next_group = 0
+        self.num_forwards = 0
+        self._store(self._chunk(prompt, torch.arange(self.prompt_length, device=self.device)))
+
+    # ---- the decoding loop ---------------------------------------------------------------------------------
+    def run(self) -> torch.LongTensor:
+        """Decode block by block; return the answer (`max_new_tokens` long, `pad_token_id` after its end)."""
+        slots_per_block = self.settings.block_length // self.settings.slot_size
+        for first in range(0, self.num_slots, slots_per_block):
+            block = range(first, min(first + slots_per_block, self.num_slots))
+            while masked := [slot for slot in block if self.status[slot] == self.MASKED]:
+                chosen = self.plan(masked)
+                self.infill(self.verify(chosen))
+        self.end = min(self.end, self.settings.max_new_tokens)
+        answer = self.answer[: self.settings.max_new_tokens]
+        after_end = torch.arange(answer.shape[0], device=self.device) >= self.end
+        return answer.masked_fill(after_end, self.settings.pad_token_id)
+
+    def plan(self, masked: list[int]) -> list[int]:
+        """Draft every token of the `masked` slots in one forward; return the slots chosen for decoding."""
+        index = self._slot_index(masked)
+        masks = torch.full_like(index, self.settings.mask_token_id)
+        logits = self._forward(self._chunk(masks.flatten(), index.flatten() + self.prompt_length))
+        self._discard_queries()
+        tokens, probabilities = pick_tokens(token_distribution(logits, self.settings), self.settings.do_sample)
+        self.drafts[index.flatten()] = tokens
+        confidence = probabilities.view(len(masked), -1)[:, 0]
+        chosen = passes(confidence, self.settings.slot_threshold)
+        chosen |= (torch.arange(len(masked), device=self.device) == confidence.argmax()) & ~chosen.any()
+        return [slot for slot, keep in zip(masked, chosen.tolist()) if keep]
+
+    def verify(self, chosen: list[int]) -> dict[int, int]:
+        """Check the chosen drafts as one causal run. Commit the leading fully accepted slots with this forward's
+        K/V; return the other chosen slots with the length of their accepted prefix."""
+        index = self._slot_index(chosen)
+        tokens = self.drafts[index]
+        size = self.settings.slot_size
+        if size == 1:  # nothing to verify: a slot's first token always passes
+            accepted = torch.ones(len(chosen), dtype=torch.long, device=self.device)
+            leading = self._leading(chosen, [1] * len(chosen), self._eos_offsets(tokens, accepted).tolist())
+            self._commit(chosen[:leading], tokens[:leading], index[:leading], None, [1] * leading)
+            return {}
+        logits = self._forward(self._chunk(tokens.flatten(), index.flatten() + self.prompt_length))
+        probabilities = token_distribution(logits, self.settings).view(len(chosen), size, -1)
+        ar_probability = probabilities[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+        passed = torch.cat(
+            [torch.ones_like(tokens[:, :1], dtype=torch.bool), passes(ar_probability, self.settings.token_threshold)], 1
+        )
+        accepted = passed.long().cumprod(dim=1).sum(dim=1)
+        decisions = torch.stack([accepted, self._eos_offsets(tokens, accepted)]).tolist()
+        accepted, eos_offsets = decisions
+        leading = self._leading(chosen, accepted, eos_offsets)
+        lengths = self._lengths(eos_offsets[:leading])
+        self._discard_queries(keep=sum(lengths))
+        self._commit(chosen[:leading], tokens[:leading], index[:leading], None, lengths, computed=True)
+        rest = {
+            slot: count for slot, count in zip(chosen[leading:], accepted[leading:]) if self.status[slot] != self.DONE
+        }
+        for slot in rest:
+            self.status[slot] = self.INFILLING
+        return rest
+
+    def infill(self, known: dict[int, int]) -> None:
+        """Complete the given slots (slot -> tokens already accepted) in parallel, each attending only to the
+        committed sequence and to itself; every round accepts the passing drafts plus one token of the model's."""
+        prefix = self.length
+        while known := {slot: count for slot, count in known.items() if self.status[slot] == self.INFILLING}:
+            slots = list(known)
+            index = self._slot_index(slots)
+            counts = torch.tensor(list(known.values()), device=self.device)
+            is_known = self.offsets < counts[:, None]
+            tokens = self.drafts[index]  # accepted tokens, then the latest drafts
+            groups = self._new_groups(len(slots)).repeat_interleave(self.settings.slot_size)
+            logits = self._forward(Chunk(tokens.flatten(), index.flatten() + self.prompt_length, groups, prefix))
+            self._discard_queries()
+            probabilities = token_distribution(logits, self.settings).view(*tokens.shape, -1)
+            predicted, _ = pick_tokens(probabilities[:, :-1], self.settings.do_sample)
+            ar_probability = probabilities[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+            passed = is_known[:, 1:] | passes(ar_probability, self.settings.token_threshold)
+            first_failure = 1 + passed.long().cumprod(dim=1).sum(dim=1)  # the model's own token goes here
+            # Accepted tokens stay; from the first failure on, each position takes the model's prediction.
+            proposals = torch.cat([tokens[:, :1], predicted], dim=1)
+            tokens = torch.where(self.offsets < first_failure[:, None], tokens, proposals)
+            self.drafts[index] = tokens
+            new_counts = (first_failure + 1).clamp(max=self.settings.slot_size)
+            decisions = torch.stack([new_counts, self._eos_offsets(tokens, new_counts)]).tolist()
+            new_counts, eos_offsets = decisions
+            finished = [
+                row
+                for row, (count, eos) in enumerate(zip(new_counts, eos_offsets))
+                if count == self.settings.slot_size or eos < count
+            ]
+            lengths = self._lengths([eos_offsets[row] for row in finished])
+            self._end_at([slots[row] for row in finished], [eos_offsets[row] for row in finished])
+            self._commit([slots[row] for row in finished], tokens[finished], index[finished], prefix, lengths)
+            known = dict(zip(slots, new_counts))
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """Answer indices of the tokens of `slots`, shape `[len(slots), slot_size]`."""
+        return torch.tensor(slots, device=self.device)[:, None] * self.settings.slot_size + self.offsets
+
+    def _new_groups(self, count: int) -> torch.Tensor:
+        self.next_group += count
+        return torch.arange(self.next_group - count, self.next_group, device=self.device)
+
+    def _chunk(self, ids: torch.Tensor, positions: torch.Tensor, prefix: int | None = None) -> Chunk:
+        """A causal chunk (one group) unless `prefix` is given."""
+        return Chunk(ids, positions, self._new_groups(1).expand(ids.shape[0]), prefix)
+
+    def _eos_offsets(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Offset of the first EOS among the first `counts` tokens of each slot (`slot_size` when none)."""
+        is_eos = torch.isin(tokens, self.eos) & (self.offsets < counts[:, None])
+        return torch.where(is_eos, self.offsets, self.settings.slot_size).min(dim=1).values
+
+    def _lengths(self, eos_offsets: list[int]) -> list[int]:
+        """Tokens kept of each finished slot: up to and including its EOS."""
+        return [min(offset + 1, self.settings.slot_size) for offset in eos_offsets]
+
+    def _leading(self, chosen: list[int], accepted: list[int], eos_offsets: list[int]) -> int:
+        """How many leading chosen slots are complete: fully accepted, or accepted up to an EOS (which ends them)."""
+        size, leading = self.settings.slot_size, 0
+        while leading < len(chosen) and (accepted[leading] == size or eos_offsets[leading] < accepted[leading]):
+            leading += 1
+            if eos_offsets[leading - 1] < size:
+                break
+        self._end_at(chosen[:leading], eos_offsets[:leading])
+        return leading
+
+    def _end_at(self, slots: list[int], eos_offsets: list[int]) -> None:
+        """Move the end of the answer to the first committed EOS and drop the slots after it."""
+        size = self.settings.slot_size
+        for slot, offset in zip(slots, eos_offsets):
+            if offset < size:
+                self.end = min(self.end, slot * size + offset + 1)
+        for slot in range(self.num_slots):
+            if slot * size >= self.end:
+                self.status[slot] = self.DONE
+
+    def _commit(self, slots, tokens, index, prefix, lengths, computed: bool = False) -> None:
+        """Append the first `lengths[i]` tokens of each slot to the sequence: as one causal chunk (`prefix` None)
+        or with each slot seeing `prefix` and itself. `computed`: their K/V are already in the cache."""
+        if not slots:
+            return
+        for slot in slots:
+            self.status[slot] = self.DONE
+        keep = self.offsets < torch.tensor(lengths, device=self.device)[:, None]
+        self.answer[index[keep]] = tokens[keep]
+        ids, positions = tokens[keep], index[keep] + self.prompt_length
+        if prefix is None:
+            chunk = self._chunk(ids, positions)
+        else:
+            chunk = Chunk(ids, positions, self._new_groups(len(slots)).repeat_interleave(keep.sum(dim=1)), prefix)
+        self._store(chunk, computed)
+
+    def _store(self, chunk: Chunk, computed: bool = False) -> None:
+        self.stored.append(chunk)
+        self.length += len(chunk)
+        if not computed:
+            self.pending.append(chunk)
+
+    # ---- the model call ------------------------------------------------------------------------------------
+    def _forward(self, queries: Chunk) -> torch.Tensor:
+        """Run `[pending | queries]` after the cache, or the whole sequence and the queries without a cache;
+        return the queries' logits. The queries stay in the cache until `_discard_queries`."""
+        chunks = [*self.pending, queries] if self.cache is not None else [*self.stored, queries]
+        past = self.length - sum(len(chunk) for chunk in chunks[:-1])
+        ids = torch.cat([chunk.ids for chunk in chunks])[None]
+        positions = torch.cat([chunk.positions for chunk in chunks])[None]
+        output = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._attention_mask(chunks, past),
+            cache=self.cache,
+            use_cache=self.cache is not None,
+        )
+        self.num_forwards += 1
+        self.pending = []
+        self._query_length = len(queries)
+        return output.logits[0, -len(queries) :]
+
+    def _discard_queries(self, keep: int = 0) -> None:
+        """Drop the last forward's query K/V from the cache but for its first `keep` tokens."""
+        if self.cache is not None:
+            self.cache.crop(keep - self._query_length)
+
+    def _attention_mask(self, chunks: list[Chunk], past: int) -> torch.Tensor:
+        """Additive mask `[1, 1, new, past + new]`: each token sees its prefix and the earlier tokens of its group."""
+        rows = past + torch.arange(sum(len(chunk) for chunk in chunks), device=self.device)
+        start, prefixes = past, []
+        for chunk in chunks:
+            prefixes.append(
+                rows[start - past : start - past + len(chunk)]
+                if chunk.prefix is None
+                else torch.full_like(chunk.ids, chunk.prefix)
+            )
+            start += len(chunk)
+        prefix = torch.cat(prefixes)
+        row_group = torch.cat([chunk.groups for chunk in chunks])
+        key_group = torch.cat([row_group.new_full((past,), -1), row_group])
+        keys = torch.arange(rows.shape[0] + past, device=self.device)
+        sees = (keys < prefix[:, None]) | ((key_group == row_group[:, None]) & (keys <= rows[:, None]))
+        dtype = self.model.dtype
+        return torch.zeros(sees.shape, dtype=dtype, device=self.device).masked_fill(~sees, torch.finfo(dtype).min)[
+            None, None
+        ]
+
+
+def refusion_generate(
+    model,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    return_dict_in_generate: bool | None = None,
+    **kwargs,
+) -> torch.LongTensor | RefusionGenerateOutput:
+    """ReFusion decoding of a (left-padded) batch; rows are decoded one after another for now."""
+    if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError("generate() needs a non-empty 2D input_ids prompt of shape (batch, length).")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}.")
+    settings = resolve_settings(model, generation_config, input_ids.shape[1], kwargs)
+    if return_dict_in_generate is None:
+        return_dict_in_generate = bool(
+            getattr(generation_config or model.generation_config, "return_dict_in_generate", False)
+        )
+    prompts = []
+    for row, mask in zip(input_ids, attention_mask.bool()):
+        prompt = row[mask]
+        if prompt.shape[0] == 0:
+            raise ValueError("Every prompt in the batch needs at least one token (attention_mask has an empty row).")
+        if not mask[mask.long().argmax() :].all():
+            raise ValueError("Prompts must be left-padded: attention_mask has a gap inside a row.")
+        if (prompt == settings.mask_token_id).any():
+            raise ValueError(
+                f"A prompt contains the mask token (id {settings.mask_token_id}); it marks undecoded tokens only."
+            )
+        prompts.append(prompt)
+
+    answers, ends, forwards = [], [], 0
+    with torch.no_grad():
+        for prompt in prompts:
+            decoder = SlotDecoder(model, prompt, settings)
+            answers.append(decoder.run())
+            ends.append(decoder.end)
+            forwards += decoder.num_forwards
+    sequences = torch.cat([input_ids, torch.stack(answers)[:, : max(ends)]], dim=1)
+    if not return_dict_in_generate:
+        return sequences
+    committed = sum(ends)
+    return RefusionGenerateOutput(
+        sequences=sequences, num_forward_passes=forwards, tokens_per_forward=committed / max(forwards, 1)
+    )

@@ -1,0 +1,233 @@
+"""ReFusion decoding: well-formed output, cached == recomputed, exact cache contents, forward counts, errors."""
+
+import itertools
+
+import pytest
+import torch
+from tiny import tiny_backbone, tiny_tokenizer
+from transformers import DynamicCache
+
+from finetune.convert import convert_to_refusion
+from generation_refusion import SlotDecoder, resolve_settings
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+
+def sharpened_model(architecture: str, scale: float) -> torch.nn.Module:
+    """A tiny converted model in float64 with large random weights and a scaled final norm, so that outputs vary and
+    top-token probabilities spread over (0, 1) (small random models repeat one token with probability ~0.01)."""
+    tokenizer = tiny_tokenizer()
+    backbone = tiny_backbone(architecture, vocab_size=len(tokenizer), initializer_range=0.2)
+    model, _ = convert_to_refusion(backbone, tokenizer)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(scale)
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharpened_model("qwen3", scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def frequent_token(model):
+    """A token the model produces often, used as EOS so that answers end early."""
+    answer = model.generate(PROMPT, max_new_tokens=24, slot_size=4, eos_token_id=[])[0, PROMPT.shape[1] :]
+    return int(answer[4:].mode().values)
+
+
+def check_well_formed(sequences, prompt, max_new_tokens, eos, pad, mask):
+    assert torch.equal(sequences[:, : prompt.shape[1]], prompt)
+    answer = sequences[0, prompt.shape[1] :]
+    assert 1 <= answer.shape[0] <= max_new_tokens
+    assert not (answer == mask).any()
+    is_eos = torch.isin(answer, torch.tensor(eos, dtype=torch.long))
+    if is_eos.any():
+        first = int(is_eos.long().argmax())
+        assert (answer[first + 1 :] == pad).all()
+    else:
+        assert answer.shape[0] == max_new_tokens
+
+
+GRID = list(itertools.product((1, 4, 8), (0.0, 0.5, 1.0), (0.0, 0.5, 1.0), (7, 21)))
+
+
+@pytest.mark.parametrize(("slot_size", "slot_threshold", "token_threshold", "max_new_tokens"), GRID)
+def test_cached_decoding_equals_recomputation_and_is_well_formed(
+    model, frequent_token, slot_size, slot_threshold, token_threshold, max_new_tokens
+):
+    for eos in ([], [frequent_token]):
+        settings = dict(
+            max_new_tokens=max_new_tokens,
+            slot_size=slot_size,
+            slot_threshold=slot_threshold,
+            token_threshold=token_threshold,
+            block_length=2 * slot_size if slot_size > 1 else 8,
+            eos_token_id=eos,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
+        cached = model.generate(PROMPT, **settings)
+        recomputed = model.generate(PROMPT, use_cache=False, **settings)
+        assert torch.equal(cached.sequences, recomputed.sequences)
+        assert cached.num_forward_passes == recomputed.num_forward_passes
+        check_well_formed(cached.sequences, PROMPT, max_new_tokens, eos, 0, model.config.mask_token_id)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2"])
+def test_cached_equals_recomputation_on_every_backbone(architecture):
+    model = sharpened_model(architecture, scale=4.0)
+    for slot_size, threshold in ((4, 0.5), (8, 0.3)):
+        settings = dict(max_new_tokens=24, slot_size=slot_size, slot_threshold=threshold, token_threshold=threshold)
+        assert torch.equal(model.generate(PROMPT, **settings), model.generate(PROMPT, use_cache=False, **settings))
+
+
+def run_decoder(model, **overrides):
+    settings = resolve_settings(model, None, PROMPT.shape[1], {"eos_token_id": [], **overrides})
+    decoder = SlotDecoder(model, PROMPT[0], settings)
+    with torch.no_grad():
+        answer = decoder.run()
+    return decoder, answer
+
+
+@pytest.mark.parametrize(("slot_size", "threshold"), [(4, 0.5), (8, 0.2), (4, 1.0)])
+def test_cache_holds_exactly_the_committed_tokens_with_their_original_kv(model, slot_size, threshold):
+    decoder, answer = run_decoder(
+        model, max_new_tokens=24, slot_size=slot_size, slot_threshold=threshold, token_threshold=threshold
+    )
+    pending = sum(len(chunk) for chunk in decoder.pending)
+    assert decoder.cache.get_seq_length() == decoder.length - pending
+    positions = torch.cat([chunk.positions for chunk in decoder.stored])
+    ids = torch.cat([chunk.ids for chunk in decoder.stored])
+    # every prompt and answer position exactly once, each holding the token returned at that position
+    assert torch.equal(positions.sort().values, torch.arange(PROMPT.shape[1] + answer.shape[0]))
+    assert torch.equal(ids[positions.argsort()], torch.cat([PROMPT[0], answer]))
+    # the cached K/V equal a from-scratch pass over the stored sequence with the recorded attention structure
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=decoder._attention_mask(decoder.stored, 0),
+            cache=reference,
+            use_cache=True,
+        )
+    cached_length = decoder.cache.get_seq_length()
+    for layer, expected in zip(decoder.cache.layers, reference.layers):
+        torch.testing.assert_close(layer.keys, expected.keys[:, :, :cached_length], rtol=0, atol=1e-10)
+        torch.testing.assert_close(layer.values, expected.values[:, :, :cached_length], rtol=0, atol=1e-10)
+
+
+def test_thresholds_zero_commit_each_block_with_one_plan_and_one_verify(model):
+    output = model.generate(
+        PROMPT, max_new_tokens=32, slot_size=4, block_length=16, slot_threshold=0.0, token_threshold=0.0,
+        eos_token_id=[], return_dict_in_generate=True,
+    )  # fmt: skip
+    assert output.num_forward_passes == 2 * 2
+    assert output.tokens_per_forward == 32 / 4
+
+
+@pytest.mark.parametrize("slot_size", [1, 4, 8])
+def test_thresholds_one_commit_one_slot_per_plan_and_one_token_per_round(model, slot_size):
+    output = model.generate(
+        PROMPT, max_new_tokens=16, slot_size=slot_size, block_length=8, slot_threshold=1.0, token_threshold=1.0,
+        eos_token_id=[], return_dict_in_generate=True,
+    )  # fmt: skip
+    slots = 16 // slot_size
+    per_slot = 1 if slot_size == 1 else 1 + 1 + (slot_size - 1)  # plan, verify, one infill round per later token
+    assert output.num_forward_passes == slots * per_slot
+
+
+def test_max_new_tokens_need_not_be_a_multiple_of_the_slot_size(model):
+    sequences = model.generate(PROMPT, max_new_tokens=10, slot_size=4, eos_token_id=[])
+    assert sequences.shape == (1, PROMPT.shape[1] + 10)
+
+
+def test_default_block_length_adapts_to_a_new_slot_size(model):
+    assert model.generation_config.block_length % 5 != 0
+    sequences = model.generate(PROMPT, max_new_tokens=12, slot_size=5, eos_token_id=[])
+    assert sequences.shape == (1, PROMPT.shape[1] + 12)
+    with pytest.raises(ValueError, match="block_length"):
+        model.generate(PROMPT, max_new_tokens=12, slot_size=5, block_length=32)
+
+
+def test_generation_config_supplies_the_defaults_and_kwargs_override_them(model):
+    model.generation_config.slot_size = 8
+    try:
+        default = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
+        explicit = model.generate(PROMPT, max_new_tokens=16, slot_size=8, eos_token_id=[], return_dict_in_generate=True)
+        other = model.generate(PROMPT, max_new_tokens=16, slot_size=1, eos_token_id=[], return_dict_in_generate=True)
+    finally:
+        model.generation_config.slot_size = model.config.slot_size
+    assert torch.equal(default.sequences, explicit.sequences)
+    assert default.num_forward_passes == explicit.num_forward_passes != other.num_forward_passes
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model):
+    settings = dict(max_new_tokens=16, slot_size=4, eos_token_id=[])
+    assert torch.equal(model.generate(PROMPT, **settings), model.generate(PROMPT, **settings))
+    samples = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        samples.append(model.generate(PROMPT, do_sample=True, temperature=1.5, top_k=0, **settings))
+    assert torch.equal(samples[0], samples[1])
+    assert not torch.equal(samples[0], samples[2])
+    torch.manual_seed(0)
+    recomputed = model.generate(PROMPT, do_sample=True, temperature=1.5, top_k=0, use_cache=False, **settings)
+    assert torch.equal(samples[0], recomputed)
+
+
+def test_rows_of_a_left_padded_batch_equal_their_prompts_alone(model):
+    short = torch.tensor([[11, 12, 13]])
+    batch = torch.tensor([[0, 0, 0, 11, 12, 13], PROMPT[0].tolist()])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    settings = dict(max_new_tokens=12, slot_size=4, eos_token_id=[], pad_token_id=0)
+    together = model.generate(batch, attention_mask=mask, **settings)
+    assert torch.equal(together[0, 3:], model.generate(short, **settings)[0])
+    assert torch.equal(together[1], model.generate(PROMPT, **settings)[0])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"input_ids": torch.zeros((1, 0), dtype=torch.long)}, "non-empty"),
+        ({"input_ids": torch.tensor([[5, -1]])}, "mask token"),
+        ({"slot_size": 0}, "slot_size"),
+        ({"slot_threshold": 1.5}, "slot_threshold"),
+        ({"token_threshold": -0.5}, "token_threshold"),
+        ({"slot_size": 4, "block_length": 10}, "block_length"),
+        ({"eos_token_id": -1}, "EOS"),
+        ({"pad_token_id": -1}, "pad"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"num_beams": 2}, "beam"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature"),
+        ({"top_p": 0.0, "do_sample": True}, "top_p"),
+        ({"unknown_option": 3}, "unknown_option"),
+        ({"attention_mask": torch.tensor([[1, 0, 1, 1, 1, 1]])}, "left-padded"),
+        ({"attention_mask": torch.zeros((1, 6), dtype=torch.long)}, "at least one token"),
+    ],
+)
+def test_bad_input_raises_a_value_error_naming_it(model, arguments, message):
+    mask_id = model.config.mask_token_id
+    arguments = dict(arguments)
+    for key in ("eos_token_id", "pad_token_id"):
+        if arguments.get(key) == -1:
+            arguments[key] = mask_id
+    input_ids = arguments.pop("input_ids", PROMPT)
+    input_ids = torch.where(input_ids == -1, mask_id, input_ids)
+    with pytest.raises(ValueError, match=message):
+        model.generate(input_ids, **{"max_new_tokens": 8, **arguments})
+
+
+@pytest.mark.parametrize("slot_size", [1, 4, 8])
+def test_eos_ends_the_answer_and_later_slots_are_dropped(model, slot_size):
+    settings = dict(max_new_tokens=24, slot_size=slot_size, slot_threshold=0.5, token_threshold=0.5, pad_token_id=0)
+    free = model.generate(PROMPT, eos_token_id=[], return_dict_in_generate=True, **settings)
+    eos = int(free.sequences[0, PROMPT.shape[1] + 9])
+    ended = model.generate(PROMPT, eos_token_id=eos, return_dict_in_generate=True, **settings)
+    answer = ended.sequences[0, PROMPT.shape[1] :]
+    first = int((answer == eos).long().argmax())
+    assert answer[first] == eos and first <= 9  # decisions match the free run until an EOS is committed
+    assert answer.shape[0] == first + 1  # nothing returned after the end of the only row
+    assert ended.num_forward_passes < free.num_forward_passes
+    assert ended.tokens_per_forward == (first + 1) / ended.num_forward_passes
