@@ -25,10 +25,12 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache, GenerationConfig
 from transformers.utils import ModelOutput
 
 DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
+NEVER = 2**62  # storage rank of cache holes and padding: no token's prefix reaches it
 
 
 @dataclass
@@ -163,26 +165,52 @@ def pick_tokens(probabilities: torch.Tensor, do_sample: bool) -> tuple[torch.Ten
 
 @dataclass
 class Chunk:
-    """Tokens stored together and what each attends to: the first `prefix` stored tokens (every earlier token
-    when `prefix` is None) plus the earlier stored tokens of its own group."""
+    """Tokens stored together. Each sees the tokens of its row stored before `prefix` (before itself when
+    `prefix` is None) plus the earlier tokens of its own group."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     groups: torch.Tensor
     prefix: int | None = None
+    start: int = 0  # storage index of the first token
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def prefixes(self) -> torch.Tensor:
+        """Per token: how many of the row's stored tokens it sees in full."""
+        if self.prefix is None:
+            return self.start + torch.arange(len(self), device=self.ids.device)
+        return torch.full_like(self.ids, self.prefix)
+
+
+@dataclass
+class Request:
+    """The new tokens of one row for one forward: `num_pending` tokens that stay in the sequence, then queries."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    ranks: torch.Tensor  # storage index of each token in its row
+    prefixes: torch.Tensor
+    groups: torch.Tensor
+    num_pending: int
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
 
 class SlotDecoder:
-    """Plan-and-infill decoding of one prompt. The sequence holds the prompt and the committed slots in commit
-    order; with `use_cache` their K/V live in a `DynamicCache` and are never recomputed."""
+    """Plan-and-infill decisions for one prompt, written as a generator of model requests.
+
+    `steps()` yields a `Request` per forward and receives the logits of its queries; the executor runs the
+    requests of many rows as one batched forward. The sequence holds the prompt and the committed slots in commit
+    order; with a cache their K/V are computed once, as pending tokens of the next request.
+    """
 
     MASKED, INFILLING, DONE = range(3)
 
-    def __init__(self, model, prompt: torch.LongTensor, settings: DecodingSettings):
-        self.model, self.settings, self.device = model, settings, prompt.device
+    def __init__(self, prompt: torch.LongTensor, settings: DecodingSettings):
+        self.settings, self.device = settings, prompt.device
         self.prompt_length = prompt.shape[0]
         self.num_slots = -(-settings.max_new_tokens // settings.slot_size)
         self.offsets = torch.arange(settings.slot_size, device=self.device)
@@ -191,34 +219,37 @@ class SlotDecoder:
         self.eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=self.device)
         self.status = [self.MASKED] * self.num_slots
         self.end = self.answer.shape[0]  # answer length; moves to just after the first committed EOS
-        self.cache = DynamicCache() if settings.use_cache else None
-        self.stored: list[Chunk] = []  # chunks in the sequence, in storage order (K/V cached or pending)
-        self.pending: list[Chunk] = []  # the tail of `stored` whose K/V the next forward computes
+        self.recompute = not settings.use_cache  # requests then carry the whole sequence
+        self.stored: list[Chunk] = []  # the sequence, in storage order
+        self.pending: list[Chunk] = []  # its tail whose K/V the next request computes
         self.length = 0
         self.next_group = 0
-        self.num_forwards = 0
+        self.keep = 0  # query tokens of the last request to keep in the sequence
         self._store(self._chunk(prompt, torch.arange(self.prompt_length, device=self.device)))
 
     # ---- the decoding loop ---------------------------------------------------------------------------------
-    def run(self) -> torch.LongTensor:
-        """Decode block by block; return the answer (`max_new_tokens` long, `pad_token_id` after its end)."""
+    def steps(self):
+        """Decode block by block, yielding one `Request` per forward and receiving its queries' logits."""
         slots_per_block = self.settings.block_length // self.settings.slot_size
         for first in range(0, self.num_slots, slots_per_block):
             block = range(first, min(first + slots_per_block, self.num_slots))
             while masked := [slot for slot in block if self.status[slot] == self.MASKED]:
-                chosen = self.plan(masked)
-                self.infill(self.verify(chosen))
+                chosen = yield from self.plan(masked)
+                infilling = yield from self.verify(chosen)
+                yield from self.infill(infilling)
         self.end = min(self.end, self.settings.max_new_tokens)
+
+    def result(self) -> torch.LongTensor:
+        """The answer, `max_new_tokens` long, with `pad_token_id` after its end."""
         answer = self.answer[: self.settings.max_new_tokens]
         after_end = torch.arange(answer.shape[0], device=self.device) >= self.end
         return answer.masked_fill(after_end, self.settings.pad_token_id)
 
-    def plan(self, masked: list[int]) -> list[int]:
+    def plan(self, masked: list[int]):
         """Draft every token of the `masked` slots in one forward; return the slots chosen for decoding."""
         index = self._slot_index(masked)
         masks = torch.full_like(index, self.settings.mask_token_id)
-        logits = self._forward(self._chunk(masks.flatten(), index.flatten() + self.prompt_length))
-        self._discard_queries()
+        logits = yield from self._forward(self._chunk(masks.flatten(), index.flatten() + self.prompt_length))
         tokens, probabilities = pick_tokens(token_distribution(logits, self.settings), self.settings.do_sample)
         self.drafts[index.flatten()] = tokens
         confidence = probabilities.view(len(masked), -1)[:, 0]
@@ -226,50 +257,47 @@ class SlotDecoder:
         chosen |= (torch.arange(len(masked), device=self.device) == confidence.argmax()) & ~chosen.any()
         return [slot for slot, keep in zip(masked, chosen.tolist()) if keep]
 
-    def verify(self, chosen: list[int]) -> dict[int, int]:
+    def verify(self, chosen: list[int]):
         """Check the chosen drafts as one causal run. Commit the leading fully accepted slots with this forward's
         K/V; return the other chosen slots with the length of their accepted prefix."""
         index = self._slot_index(chosen)
         tokens = self.drafts[index]
         size = self.settings.slot_size
         if size == 1:  # nothing to verify: a slot's first token always passes
-            accepted = torch.ones(len(chosen), dtype=torch.long, device=self.device)
-            leading = self._leading(chosen, [1] * len(chosen), self._eos_offsets(tokens, accepted).tolist())
-            self._commit(chosen[:leading], tokens[:leading], index[:leading], None, [1] * leading)
+            accepted = [1] * len(chosen)
+            eos_offsets = self._eos_offsets(tokens, torch.ones_like(index[:, 0])).tolist()
+            leading = self._leading(chosen, accepted, eos_offsets)
+            self._commit(chosen[:leading], tokens[:leading], index[:leading], None, accepted[:leading])
             return {}
-        logits = self._forward(self._chunk(tokens.flatten(), index.flatten() + self.prompt_length))
+        logits = yield from self._forward(self._chunk(tokens.flatten(), index.flatten() + self.prompt_length))
         probabilities = token_distribution(logits, self.settings).view(len(chosen), size, -1)
         ar_probability = probabilities[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-        passed = torch.cat(
-            [torch.ones_like(tokens[:, :1], dtype=torch.bool), passes(ar_probability, self.settings.token_threshold)], 1
-        )
+        first = torch.ones_like(tokens[:, :1], dtype=torch.bool)
+        passed = torch.cat([first, passes(ar_probability, self.settings.token_threshold)], dim=1)
         accepted = passed.long().cumprod(dim=1).sum(dim=1)
-        decisions = torch.stack([accepted, self._eos_offsets(tokens, accepted)]).tolist()
-        accepted, eos_offsets = decisions
+        accepted, eos_offsets = torch.stack([accepted, self._eos_offsets(tokens, accepted)]).tolist()
         leading = self._leading(chosen, accepted, eos_offsets)
         lengths = self._lengths(eos_offsets[:leading])
-        self._discard_queries(keep=sum(lengths))
+        self.keep = sum(lengths)
         self._commit(chosen[:leading], tokens[:leading], index[:leading], None, lengths, computed=True)
-        rest = {
-            slot: count for slot, count in zip(chosen[leading:], accepted[leading:]) if self.status[slot] != self.DONE
-        }
+        rest = zip(chosen[leading:], accepted[leading:])
+        rest = {slot: count for slot, count in rest if self.status[slot] != self.DONE}
         for slot in rest:
             self.status[slot] = self.INFILLING
         return rest
 
-    def infill(self, known: dict[int, int]) -> None:
+    def infill(self, known: dict[int, int]):
         """Complete the given slots (slot -> tokens already accepted) in parallel, each attending only to the
         committed sequence and to itself; every round accepts the passing drafts plus one token of the model's."""
-        prefix = self.length
+        prefix, size = self.length, self.settings.slot_size
         while known := {slot: count for slot, count in known.items() if self.status[slot] == self.INFILLING}:
             slots = list(known)
             index = self._slot_index(slots)
-            counts = torch.tensor(list(known.values()), device=self.device)
-            is_known = self.offsets < counts[:, None]
+            is_known = self.offsets < torch.tensor(list(known.values()), device=self.device)[:, None]
             tokens = self.drafts[index]  # accepted tokens, then the latest drafts
-            groups = self._new_groups(len(slots)).repeat_interleave(self.settings.slot_size)
-            logits = self._forward(Chunk(tokens.flatten(), index.flatten() + self.prompt_length, groups, prefix))
-            self._discard_queries()
+            groups = self._new_groups(len(slots)).repeat_interleave(size)
+            queries = Chunk(tokens.flatten(), index.flatten() + self.prompt_length, groups, prefix)
+            logits = yield from self._forward(queries)
             probabilities = token_distribution(logits, self.settings).view(*tokens.shape, -1)
             predicted, _ = pick_tokens(probabilities[:, :-1], self.settings.do_sample)
             ar_probability = probabilities[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
@@ -279,18 +307,14 @@ class SlotDecoder:
             proposals = torch.cat([tokens[:, :1], predicted], dim=1)
             tokens = torch.where(self.offsets < first_failure[:, None], tokens, proposals)
             self.drafts[index] = tokens
-            new_counts = (first_failure + 1).clamp(max=self.settings.slot_size)
-            decisions = torch.stack([new_counts, self._eos_offsets(tokens, new_counts)]).tolist()
-            new_counts, eos_offsets = decisions
-            finished = [
-                row
-                for row, (count, eos) in enumerate(zip(new_counts, eos_offsets))
-                if count == self.settings.slot_size or eos < count
-            ]
+            counts = (first_failure + 1).clamp(max=size)
+            counts, eos_offsets = torch.stack([counts, self._eos_offsets(tokens, counts)]).tolist()
+            finished = [row for row in range(len(slots)) if counts[row] == size or eos_offsets[row] < counts[row]]
+            finished_slots = [slots[row] for row in finished]
+            self._end_at(finished_slots, [eos_offsets[row] for row in finished])
             lengths = self._lengths([eos_offsets[row] for row in finished])
-            self._end_at([slots[row] for row in finished], [eos_offsets[row] for row in finished])
-            self._commit([slots[row] for row in finished], tokens[finished], index[finished], prefix, lengths)
-            known = dict(zip(slots, new_counts))
+            self._commit(finished_slots, tokens[finished], index[finished], prefix, lengths)
+            known = dict(zip(slots, counts))
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
@@ -301,9 +325,9 @@ class SlotDecoder:
         self.next_group += count
         return torch.arange(self.next_group - count, self.next_group, device=self.device)
 
-    def _chunk(self, ids: torch.Tensor, positions: torch.Tensor, prefix: int | None = None) -> Chunk:
-        """A causal chunk (one group) unless `prefix` is given."""
-        return Chunk(ids, positions, self._new_groups(1).expand(ids.shape[0]), prefix)
+    def _chunk(self, ids: torch.Tensor, positions: torch.Tensor) -> Chunk:
+        """A causal chunk: each token sees everything stored before it."""
+        return Chunk(ids, positions, self._new_groups(1).expand(ids.shape[0]))
 
     def _eos_offsets(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Offset of the first EOS among the first `counts` tokens of each slot (`slot_size` when none)."""
@@ -336,7 +360,7 @@ class SlotDecoder:
 
     def _commit(self, slots, tokens, index, prefix, lengths, computed: bool = False) -> None:
         """Append the first `lengths[i]` tokens of each slot to the sequence: as one causal chunk (`prefix` None)
-        or with each slot seeing `prefix` and itself. `computed`: their K/V are already in the cache."""
+        or with each slot seeing `prefix` tokens and itself. `computed`: their K/V are already in the cache."""
         if not slots:
             return
         for slot in slots:
@@ -351,56 +375,94 @@ class SlotDecoder:
         self._store(chunk, computed)
 
     def _store(self, chunk: Chunk, computed: bool = False) -> None:
+        chunk.start = self.length
         self.stored.append(chunk)
         self.length += len(chunk)
         if not computed:
             self.pending.append(chunk)
 
-    # ---- the model call ------------------------------------------------------------------------------------
-    def _forward(self, queries: Chunk) -> torch.Tensor:
-        """Run `[pending | queries]` after the cache, or the whole sequence and the queries without a cache;
-        return the queries' logits. The queries stay in the cache until `_discard_queries`."""
-        chunks = [*self.pending, queries] if self.cache is not None else [*self.stored, queries]
-        past = self.length - sum(len(chunk) for chunk in chunks[:-1])
-        ids = torch.cat([chunk.ids for chunk in chunks])[None]
-        positions = torch.cat([chunk.positions for chunk in chunks])[None]
-        output = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=self._attention_mask(chunks, past),
-            cache=self.cache,
-            use_cache=self.cache is not None,
+    def _forward(self, queries: Chunk):
+        """Yield `[pending | queries]` (the whole sequence and the queries when recomputing); return the
+        queries' logits. Pending tokens are then part of the cached sequence."""
+        queries.start = self.length
+        chunks = [*(self.stored if self.recompute else self.pending), queries]
+        request = Request(
+            ids=torch.cat([chunk.ids for chunk in chunks]),
+            positions=torch.cat([chunk.positions for chunk in chunks]),
+            ranks=torch.cat([chunk.start + torch.arange(len(chunk), device=self.device) for chunk in chunks]),
+            prefixes=torch.cat([chunk.prefixes() for chunk in chunks]),
+            groups=torch.cat([chunk.groups for chunk in chunks]),
+            num_pending=sum(len(chunk) for chunk in chunks[:-1]),
         )
-        self.num_forwards += 1
-        self.pending = []
-        self._query_length = len(queries)
-        return output.logits[0, -len(queries) :]
+        logits = yield request
+        self.pending, self.keep = [], 0
+        return logits
 
-    def _discard_queries(self, keep: int = 0) -> None:
-        """Drop the last forward's query K/V from the cache but for its first `keep` tokens."""
-        if self.cache is not None:
-            self.cache.crop(keep - self._query_length)
 
-    def _attention_mask(self, chunks: list[Chunk], past: int) -> torch.Tensor:
-        """Additive mask `[1, 1, new, past + new]`: each token sees its prefix and the earlier tokens of its group."""
-        rows = past + torch.arange(sum(len(chunk) for chunk in chunks), device=self.device)
-        start, prefixes = past, []
-        for chunk in chunks:
-            prefixes.append(
-                rows[start - past : start - past + len(chunk)]
-                if chunk.prefix is None
-                else torch.full_like(chunk.ids, chunk.prefix)
-            )
-            start += len(chunk)
-        prefix = torch.cat(prefixes)
-        row_group = torch.cat([chunk.groups for chunk in chunks])
-        key_group = torch.cat([row_group.new_full((past,), -1), row_group])
-        keys = torch.arange(rows.shape[0] + past, device=self.device)
-        sees = (keys < prefix[:, None]) | ((key_group == row_group[:, None]) & (keys <= rows[:, None]))
-        dtype = self.model.dtype
-        return torch.zeros(sees.shape, dtype=dtype, device=self.device).masked_fill(~sees, torch.finfo(dtype).min)[
-            None, None
-        ]
+def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, past: int, dtype) -> torch.Tensor:
+    """Additive mask `[batch, 1, new, past + new]` from each token's storage rank, prefix and group: a token sees
+    the keys of its row ranked below its prefix and the keys of its group ranked up to itself (and always itself,
+    so that padding rows stay finite)."""
+    sees = key_ranks[:, None, :] < prefixes[:, :, None]
+    sees |= (key_groups[:, None, :] == groups[:, :, None]) & (key_ranks[:, None, :] <= ranks[:, :, None])
+    new = torch.arange(ranks.shape[1], device=ranks.device)
+    sees[:, new, past + new] = True
+    mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device)
+    return mask.masked_fill(~sees, torch.finfo(dtype).min)[:, None]
+
+
+PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2}  # padding sees only itself
+
+
+def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | None) -> int:
+    """Run the decoders' requests as batched forwards over one `cache` (rows of different lengths leave masked
+    holes in it; without a cache every request carries its whole sequence); finished rows leave the batch.
+    Returns the number of forwards."""
+    device = decoders[0].device
+    steps = [decoder.steps() for decoder in decoders]
+    rows = list(range(len(decoders)))
+    requests = [next(step) for step in steps]
+    use_cache = cache is not None
+    cached_ranks = torch.zeros((len(rows), 0), dtype=torch.long, device=device)
+    forwards = 0
+    while rows:
+        batch = {
+            name: pad_sequence([getattr(request, name) for request in requests], batch_first=True, padding_value=value)
+            for name, value in PADDING.items()
+        }
+        past = cached_ranks.shape[1]
+        key_ranks = torch.cat([cached_ranks, batch["ranks"]], dim=1)
+        key_groups = torch.cat([torch.full_like(cached_ranks, -1), batch["groups"]], dim=1)
+        mask = attention_mask(
+            key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], past, model.dtype
+        )
+        logits = model(
+            input_ids=batch["ids"],
+            position_ids=batch["positions"],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=use_cache,
+        ).logits
+        forwards += 1
+        kept, next_requests = [], []
+        for row, (request, step) in enumerate(zip(requests, (steps[r] for r in rows))):
+            try:
+                next_requests.append(step.send(logits[row, request.num_pending : len(request)]))
+            except StopIteration:
+                next_requests.append(None)
+            kept.append(request.num_pending + decoders[rows[row]].keep)
+        if cache is not None:
+            width = max(kept)
+            keep = torch.arange(width, device=device) < torch.tensor(kept, device=device)[:, None]
+            cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :width].masked_fill(~keep, NEVER)], dim=1)
+            cache.crop(width - batch["ids"].shape[1])
+        alive = [row for row, request in enumerate(next_requests) if request is not None]
+        if len(alive) < len(rows) and alive and cache is not None:
+            cache.batch_select_indices(torch.tensor(alive, device=device))
+            cached_ranks = cached_ranks[alive]
+        rows = [rows[row] for row in alive]
+        requests = [next_requests[row] for row in alive]
+    return forwards
 
 
 def refusion_generate(
@@ -411,7 +473,8 @@ def refusion_generate(
     return_dict_in_generate: bool | None = None,
     **kwargs,
 ) -> torch.LongTensor | RefusionGenerateOutput:
-    """ReFusion decoding of a (left-padded) batch; rows are decoded one after another for now."""
+    """ReFusion decoding of a left-padded batch: one batched forward per step for all rows (use_cache), or each
+    row recomputed from scratch at every forward (use_cache=False, the reference)."""
     if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("generate() needs a non-empty 2D input_ids prompt of shape (batch, length).")
     if attention_mask is None:
@@ -436,14 +499,15 @@ def refusion_generate(
             )
         prompts.append(prompt)
 
-    answers, ends, forwards = [], [], 0
+    decoders = [SlotDecoder(prompt, settings) for prompt in prompts]
     with torch.no_grad():
-        for prompt in prompts:
-            decoder = SlotDecoder(model, prompt, settings)
-            answers.append(decoder.run())
-            ends.append(decoder.end)
-            forwards += decoder.num_forwards
-    sequences = torch.cat([input_ids, torch.stack(answers)[:, : max(ends)]], dim=1)
+        if settings.use_cache:
+            forwards = execute(model, decoders, DynamicCache())
+        else:
+            forwards = sum(execute(model, [decoder], None) for decoder in decoders)
+    ends = [decoder.end for decoder in decoders]
+    answers = torch.stack([decoder.result() for decoder in decoders])
+    sequences = torch.cat([input_ids, answers[:, : max(ends)]], dim=1)
     if not return_dict_in_generate:
         return sequences
     committed = sum(ends)

@@ -8,7 +8,7 @@ from tiny import tiny_backbone, tiny_tokenizer
 from transformers import DynamicCache
 
 from finetune.convert import convert_to_refusion
-from generation_refusion import SlotDecoder, resolve_settings
+from generation_refusion import SlotDecoder, attention_mask, execute, resolve_settings
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
@@ -84,36 +84,34 @@ def test_cached_equals_recomputation_on_every_backbone(architecture):
 
 def run_decoder(model, **overrides):
     settings = resolve_settings(model, None, PROMPT.shape[1], {"eos_token_id": [], **overrides})
-    decoder = SlotDecoder(model, PROMPT[0], settings)
+    decoder, cache = SlotDecoder(PROMPT[0], settings), DynamicCache()
     with torch.no_grad():
-        answer = decoder.run()
-    return decoder, answer
+        execute(model, [decoder], cache)
+    return decoder, decoder.result(), cache
 
 
 @pytest.mark.parametrize(("slot_size", "threshold"), [(4, 0.5), (8, 0.2), (4, 1.0)])
 def test_cache_holds_exactly_the_committed_tokens_with_their_original_kv(model, slot_size, threshold):
-    decoder, answer = run_decoder(
+    decoder, answer, cache = run_decoder(
         model, max_new_tokens=24, slot_size=slot_size, slot_threshold=threshold, token_threshold=threshold
     )
     pending = sum(len(chunk) for chunk in decoder.pending)
-    assert decoder.cache.get_seq_length() == decoder.length - pending
-    positions = torch.cat([chunk.positions for chunk in decoder.stored])
-    ids = torch.cat([chunk.ids for chunk in decoder.stored])
+    assert cache.get_seq_length() == decoder.length - pending
+    chunks = decoder.stored
+    positions, ids = torch.cat([c.positions for c in chunks]), torch.cat([c.ids for c in chunks])
     # every prompt and answer position exactly once, each holding the token returned at that position
     assert torch.equal(positions.sort().values, torch.arange(PROMPT.shape[1] + answer.shape[0]))
     assert torch.equal(ids[positions.argsort()], torch.cat([PROMPT[0], answer]))
     # the cached K/V equal a from-scratch pass over the stored sequence with the recorded attention structure
+    ranks = torch.arange(ids.shape[0])[None]
+    prefixes = torch.cat([c.prefixes() for c in chunks])[None]
+    groups = torch.cat([c.groups for c in chunks])[None]
+    mask = attention_mask(ranks, groups, ranks, prefixes, groups, 0, model.dtype)
     reference = DynamicCache()
     with torch.no_grad():
-        model(
-            input_ids=ids[None],
-            position_ids=positions[None],
-            attention_mask=decoder._attention_mask(decoder.stored, 0),
-            cache=reference,
-            use_cache=True,
-        )
-    cached_length = decoder.cache.get_seq_length()
-    for layer, expected in zip(decoder.cache.layers, reference.layers):
+        model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=reference, use_cache=True)
+    cached_length = cache.get_seq_length()
+    for layer, expected in zip(cache.layers, reference.layers):
         torch.testing.assert_close(layer.keys, expected.keys[:, :, :cached_length], rtol=0, atol=1e-10)
         torch.testing.assert_close(layer.values, expected.values[:, :, :cached_length], rtol=0, atol=1e-10)
 

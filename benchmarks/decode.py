@@ -1,0 +1,144 @@
+"""Decoding mechanics benchmark: ReFusion generate() vs the base model's own generate() on SmolLM2-135M.
+
+    python benchmarks/decode.py [--max_new_tokens 64] [--device cpu] [--dtype float32]
+
+The converted model is untrained (its [MASK] embedding is the mean embedding), so drafts are poor and this
+measures mechanics, not quality: tokens/s, model forwards, tokens per forward, and the share of wall time spent
+inside model forwards versus orchestration (planning, masks, bookkeeping). A second part measures peak memory
+with 8 chosen slots per step versus 1, each in a fresh process.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from finetune.convert import convert_to_refusion, load_causal_lm
+from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "List three primary colours.",
+    "Explain in one sentence why the sky is blue.",
+]
+SETTINGS = {
+    "slot 8, thresholds 0/0 (all parallel)": dict(
+        slot_size=8, block_length=64, slot_threshold=0.0, token_threshold=0.0
+    ),
+    "slot 8, thresholds 0.8/0.3": dict(slot_size=8, block_length=32, slot_threshold=0.8, token_threshold=0.3),
+    "slot 4, thresholds 0.8/0.3": dict(slot_size=4, block_length=32, slot_threshold=0.8, token_threshold=0.3),
+    "slot 8, thresholds 1/1 (serial)": dict(slot_size=8, block_length=32, slot_threshold=1.0, token_threshold=1.0),
+}
+
+
+class ForwardTimer:
+    """Counts model forwards and the wall time spent inside them (forward hooks on the top module)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device, self.seconds, self.calls, self._start = device, 0.0, 0, 0.0
+        model.register_forward_pre_hook(self._before)
+        model.register_forward_hook(self._after)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _before(self, *_) -> None:
+        self._synchronize()
+        self._start = time.perf_counter()
+
+    def _after(self, *_) -> None:
+        self._synchronize()
+        self.seconds += time.perf_counter() - self._start
+        self.calls += 1
+
+
+def encode(tokenizer, prompt: str, device) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return encoded["input_ids"].to(device)
+
+
+def measure(model, timer, prompts, generate_kwargs, eos_token_id) -> dict:
+    timer.seconds, timer.calls = 0.0, 0
+    tokens, start = 0, time.perf_counter()
+    for input_ids in prompts:
+        output = model.generate(input_ids, do_sample=False, eos_token_id=eos_token_id, **generate_kwargs)
+        tokens += output.shape[1] - input_ids.shape[1]
+    wall = time.perf_counter() - start
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "forwards": timer.calls,
+        "tokens_per_forward": tokens / timer.calls,
+        "forward_share": timer.seconds / wall,
+    }
+
+
+def memory_probe(settings_name: str, max_new_tokens: int) -> None:
+    """Run one decoding setting in this (fresh) process and print its peak RSS in MB."""
+    model, tokenizer = convert_to_refusion(*load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF))
+    input_ids = encode(tokenizer, PROMPTS[0], "cpu")
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=[], **SETTINGS[settings_name])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": peak / 1024, "decode_growth_mb": (peak - baseline) / 1024}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--memory_probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--skip_memory", action="store_true", help="Skip the peak-memory comparison.")
+    args = parser.parse_args()
+    if args.memory_probe:
+        return memory_probe(args.memory_probe, args.max_new_tokens)
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    base, tokenizer = load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF)
+    base_timer = ForwardTimer(base.to(device, dtype), device)
+    prompts = [encode(tokenizer, prompt, device) for prompt in PROMPTS]
+    rows = {}
+    # No EOS: every method writes exactly max_new_tokens, so throughput compares like with like.
+    ar_kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens)
+    measure(base, base_timer, prompts[:1], ar_kwargs, tokenizer.eos_token_id)  # warm-up
+    rows["base generate() (AR, greedy)"] = measure(base, base_timer, prompts, ar_kwargs, tokenizer.eos_token_id)
+
+    model, tokenizer = convert_to_refusion(base, tokenizer)
+    timer = ForwardTimer(model, device)
+    for name, settings in SETTINGS.items():
+        kwargs = dict(max_new_tokens=args.max_new_tokens, **settings)
+        rows[f"ReFusion {name}"] = measure(model, timer, prompts, kwargs, [])
+
+    print(
+        f"\nDecoding {len(PROMPTS)} prompts x {args.max_new_tokens} new tokens, batch 1, {args.device}, {args.dtype}\n"
+    )
+    print("| method | tokens/s | forwards | tokens/forward | in forwards | orchestration |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, row in rows.items():
+        print(
+            f"| {name} | {row['tokens_per_s']:.1f} | {row['forwards']} | {row['tokens_per_forward']:.2f} | "
+            f"{100 * row['forward_share']:.1f}% | {100 * (1 - row['forward_share']):.1f}% |"
+        )
+
+    if args.skip_memory or args.device != "cpu":
+        return
+    print("\nPeak RSS while decoding (fresh process each, prompt 1)\n")
+    print("| setting | chosen slots per step | peak RSS MB | growth during decode MB |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, chosen in (("slot 8, thresholds 1/1 (serial)", 1), ("slot 8, thresholds 0/0 (all parallel)", 8)):
+        command = [sys.executable, __file__, "--memory_probe", name, "--max_new_tokens", "64"]
+        result = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+        print(f"| {name} | {chosen} | {result['peak_mb']:.0f} | {result['decode_growth_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
