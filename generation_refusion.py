@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.utils import ModelOutput
 
 DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
@@ -61,8 +61,11 @@ class DecodingSettings:
     use_cache: bool
 
 
-def resolve_settings(model, generation_config: GenerationConfig | None, prompt_length: int, kwargs: dict):
-    """Merge the model's defaults, `generation_config` and `kwargs` (which win) into validated settings."""
+def resolve_settings(
+    model, generation_config: GenerationConfig | None, prompt_length: int, kwargs: dict
+) -> tuple[DecodingSettings, GenerationConfig]:
+    """Merge the model's defaults, `generation_config` and `kwargs` (which win) into validated decoding settings;
+    also return the merged generation config."""
     explicit = {name: kwargs[name] for name in DECODING_FIELDS if kwargs.get(name) is not None}
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unused = config.update(**kwargs)
@@ -114,7 +117,7 @@ def resolve_settings(model, generation_config: GenerationConfig | None, prompt_l
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}.")
     if not 0.0 < top_p <= 1.0 or top_k < 0:
         raise ValueError(f"top_p must lie in (0, 1] and top_k be >= 0, got top_p={top_p}, top_k={top_k}.")
-    return DecodingSettings(
+    settings = DecodingSettings(
         slot_size=slot_size,
         slot_threshold=float(decoding["slot_threshold"]),
         token_threshold=float(decoding["token_threshold"]),
@@ -129,6 +132,7 @@ def resolve_settings(model, generation_config: GenerationConfig | None, prompt_l
         top_p=top_p,
         use_cache=bool(config.use_cache),
     )
+    return settings, config
 
 
 def passes(probabilities: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -237,12 +241,29 @@ class SlotDecoder:
                 chosen = yield from self.plan(masked)
                 infilling = yield from self.verify(chosen)
                 yield from self.infill(infilling)
-        self.end = min(self.end, self.settings.max_new_tokens)
+
+    def frontier(self) -> int:
+        """Length of the answer prefix that is final in reading order (what can be streamed)."""
+        undecided = next((slot for slot, status in enumerate(self.status) if status != self.DONE), self.num_slots)
+        return min(undecided * self.settings.slot_size, self.end, self.settings.max_new_tokens)
+
+    def answer_length(self) -> int:
+        return min(self.end, self.settings.max_new_tokens)
+
+    def finished(self) -> bool:
+        return self.frontier() >= self.answer_length()
+
+    def stop_at(self, length: int) -> None:
+        """End the answer after `length` tokens (a stopping criterion fired there); later slots are dropped."""
+        self.end = min(self.end, length)
+        for slot in range(self.num_slots):
+            if slot * self.settings.slot_size >= self.end:
+                self.status[slot] = self.DONE
 
     def result(self) -> torch.LongTensor:
         """The answer, `max_new_tokens` long, with `pad_token_id` after its end."""
         answer = self.answer[: self.settings.max_new_tokens]
-        after_end = torch.arange(answer.shape[0], device=self.device) >= self.end
+        after_end = torch.arange(answer.shape[0], device=self.device) >= self.answer_length()
         return answer.masked_fill(after_end, self.settings.pad_token_id)
 
     def plan(self, masked: list[int]):
@@ -353,10 +374,7 @@ class SlotDecoder:
         size = self.settings.slot_size
         for slot, offset in zip(slots, eos_offsets):
             if offset < size:
-                self.end = min(self.end, slot * size + offset + 1)
-        for slot in range(self.num_slots):
-            if slot * size >= self.end:
-                self.status[slot] = self.DONE
+                self.stop_at(slot * size + offset + 1)
 
     def _commit(self, slots, tokens, index, prefix, lengths, computed: bool = False) -> None:
         """Append the first `lengths[i]` tokens of each slot to the sequence: as one causal chunk (`prefix` None)
@@ -414,10 +432,46 @@ def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, past: int, dt
 PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2}  # padding sees only itself
 
 
-def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | None) -> int:
+class InOrderMonitor:
+    """Streams, and applies stopping criteria to, the in-order prefix of each answer as it grows.
+
+    ReFusion commits slots out of reading order; only the contiguous prefix is final text. When a criterion fires
+    inside a newly final run of tokens, the answer ends at the first token where it does.
+    """
+
+    def __init__(self, decoders: list[SlotDecoder], prompts: list[torch.Tensor], streamer=None, criteria=None):
+        self.decoders, self.prompts, self.streamer, self.criteria = decoders, prompts, streamer, criteria
+        self.emitted = [0] * len(prompts)
+        if streamer is not None:
+            streamer.put(prompts[0][None].cpu())
+
+    def update(self) -> None:
+        for row, decoder in enumerate(self.decoders):
+            frontier = decoder.frontier()
+            if frontier <= self.emitted[row]:
+                continue
+            if self.criteria:
+                for length in range(self.emitted[row] + 1, frontier + 1):
+                    sequence = torch.cat([self.prompts[row], decoder.answer[:length]])[None]
+                    if self.criteria(sequence, None).any():
+                        decoder.stop_at(length)
+                        frontier = length
+                        break
+            if self.streamer is not None:
+                self.streamer.put(decoder.answer[self.emitted[row] : frontier].cpu())
+            self.emitted[row] = frontier
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+
+def execute(
+    model, decoders: list[SlotDecoder], cache: DynamicCache | None, monitor: InOrderMonitor | None = None
+) -> int:
     """Run the decoders' requests as batched forwards over one `cache` (rows of different lengths leave masked
     holes in it; without a cache every request carries its whole sequence); finished rows leave the batch.
-    Returns the number of forwards."""
+    `monitor` sees every step. Returns the number of forwards."""
     device = decoders[0].device
     steps = [decoder.steps() for decoder in decoders]
     rows = list(range(len(decoders)))
@@ -456,7 +510,13 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | None) -> i
             keep = torch.arange(width, device=device) < torch.tensor(kept, device=device)[:, None]
             cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :width].masked_fill(~keep, NEVER)], dim=1)
             cache.crop(width - batch["ids"].shape[1])
-        alive = [row for row, request in enumerate(next_requests) if request is not None]
+        if monitor is not None:
+            monitor.update()
+        alive = [
+            row
+            for row, request in enumerate(next_requests)
+            if request is not None and not decoders[rows[row]].finished()
+        ]
         if len(alive) < len(rows) and alive and cache is not None:
             cache.batch_select_indices(torch.tensor(alive, device=device))
             cached_ranks = cached_ranks[alive]
@@ -465,27 +525,49 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | None) -> i
     return forwards
 
 
+def stopping_criteria_for(config: GenerationConfig, stopping_criteria, tokenizer) -> StoppingCriteriaList:
+    """The caller's criteria plus those the config's `stop_strings` and `max_time` ask for."""
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    if stop_strings := config.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate().")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=config.max_time))
+    return criteria
+
+
 def refusion_generate(
     model,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,
     return_dict_in_generate: bool | None = None,
+    streamer=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    tokenizer=None,
     **kwargs,
 ) -> torch.LongTensor | RefusionGenerateOutput:
     """ReFusion decoding of a left-padded batch: one batched forward per step for all rows (use_cache), or each
-    row recomputed from scratch at every forward (use_cache=False, the reference)."""
+    row recomputed from scratch at every forward (use_cache=False, the reference). `streamer` receives, and
+    `stopping_criteria`, `stop_strings` and `max_time` act on, the in-order prefix of each answer."""
     if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("generate() needs a non-empty 2D input_ids prompt of shape (batch, length).")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}.")
-    settings = resolve_settings(model, generation_config, input_ids.shape[1], kwargs)
+    settings, config = resolve_settings(model, generation_config, input_ids.shape[1], kwargs)
     if return_dict_in_generate is None:
-        return_dict_in_generate = bool(
-            getattr(generation_config or model.generation_config, "return_dict_in_generate", False)
-        )
+        return_dict_in_generate = bool(config.return_dict_in_generate)
+    num_return_sequences = config.num_return_sequences or 1
+    if num_return_sequences > 1 and not settings.do_sample:
+        raise ValueError("num_return_sequences > 1 needs do_sample=True: greedy decoding gives one answer.")
+    if streamer is not None and input_ids.shape[0] * num_return_sequences > 1:
+        raise ValueError("A streamer follows a single answer: use batch size 1 and num_return_sequences=1.")
+    criteria = stopping_criteria_for(config, stopping_criteria, tokenizer)
+    input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
+    attention_mask = attention_mask.repeat_interleave(num_return_sequences, dim=0)
     prompts = []
     for row, mask in zip(input_ids, attention_mask.bool()):
         prompt = row[mask]
@@ -500,12 +582,15 @@ def refusion_generate(
         prompts.append(prompt)
 
     decoders = [SlotDecoder(prompt, settings) for prompt in prompts]
+    monitor = InOrderMonitor(decoders, prompts, streamer, criteria) if streamer is not None or criteria else None
     with torch.no_grad():
         if settings.use_cache:
-            forwards = execute(model, decoders, DynamicCache())
+            forwards = execute(model, decoders, DynamicCache(), monitor)
         else:
-            forwards = sum(execute(model, [decoder], None) for decoder in decoders)
-    ends = [decoder.end for decoder in decoders]
+            forwards = sum(execute(model, [decoder], None, monitor) for decoder in decoders)
+    if monitor is not None:
+        monitor.end()
+    ends = [decoder.answer_length() for decoder in decoders]
     answers = torch.stack([decoder.result() for decoder in decoders])
     sequences = torch.cat([input_ids, answers[:, : max(ends)]], dim=1)
     if not return_dict_in_generate:

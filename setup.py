@@ -6,7 +6,8 @@ from setuptools import find_packages, setup
 
 TRAIN = ["trl>=1.16,<2", "peft>=0.21,<1", "datasets>=4", "accelerate>=1.10", "bitsandbytes>=0.49"]
 GGUF = ["gguf>=0.17", "accelerate>=1.10"]
-TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF]
+EVAL = ["lm-eval>=0.4.10,<0.5"]
+TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF, *EVAL]
 
 setup(
     name="refusion",
@@ -17,8 +18,10 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion"],
-    packages=find_packages(include=["finetune", "finetune.*"]),
+    packages=find_packages(include=["finetune", "finetune.*", "refusion_eval"]),
     install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
-    extras_require={"train": TRAIN, "gguf": GGUF, "test": TEST},
-    entry_points={"console_scripts": ["refusion-convert=finetune.convert:main"]},
+    extras_require={"train": TRAIN, "gguf": GGUF, "eval": EVAL, "test": TEST},
+    entry_points={
+        "console_scripts": ["refusion-convert=finetune.convert:main", "refusion-lm-eval=refusion_eval.__main__:main"]
+    },
 )

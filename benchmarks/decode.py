@@ -1,11 +1,12 @@
 """Decoding mechanics benchmark: ReFusion generate() vs the base model's own generate() on SmolLM2-135M.
 
-    python benchmarks/decode.py [--max_new_tokens 64] [--device cpu] [--dtype float32]
+    python benchmarks/decode.py [--max_new_tokens 64] [--device cpu] [--dtype float32] [--batch_sizes 1 4 8 16]
 
 The converted model is untrained (its [MASK] embedding is the mean embedding), so drafts are poor and this
 measures mechanics, not quality: tokens/s, model forwards, tokens per forward, and the share of wall time spent
 inside model forwards versus orchestration (planning, masks, bookkeeping). A second part measures peak memory
-with 8 chosen slots per step versus 1, each in a fresh process.
+with 8 chosen slots per step versus 1, each in a fresh process; a third, throughput at several batch sizes
+(left-padded prompts, one batched forward per step) against the base model's generate() at the same sizes.
 """
 
 import argparse
@@ -25,7 +26,20 @@ PROMPTS = [
     "Write a Python function that returns the square of a number.",
     "List three primary colours.",
     "Explain in one sentence why the sky is blue.",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 11?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Why do we have seasons?",
+    "Write a haiku about the sea.",
+    "What does a thermometer measure?",
+    "Suggest a name for a pet goldfish.",
+    "What is the boiling point of water in Celsius?",
+    "Describe a cat in three words.",
+    "What is the largest planet in our solar system?",
 ]
+BATCH_SETTING = "slot 8, thresholds 0.8/0.3"
 SETTINGS = {
     "slot 8, thresholds 0/0 (all parallel)": dict(
         slot_size=8, block_length=64, slot_threshold=0.0, token_threshold=0.0
@@ -64,12 +78,24 @@ def encode(tokenizer, prompt: str, device) -> torch.Tensor:
     return encoded["input_ids"].to(device)
 
 
-def measure(model, timer, prompts, generate_kwargs, eos_token_id) -> dict:
+def left_padded_batches(tokenizer, prompts: list[str], device) -> list[dict]:
+    """One left-padded batch of chat-formatted prompts."""
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
+    tokenizer.padding_side = "left"
+    return [tokenizer(texts, return_tensors="pt", padding=True).to(device)]
+
+
+def measure(model, timer, inputs, generate_kwargs, eos_token_id) -> dict:
+    """Decode every input (a tensor of ids, or a dict with `input_ids` and `attention_mask`) and time it."""
     timer.seconds, timer.calls = 0.0, 0
     tokens, start = 0, time.perf_counter()
-    for input_ids in prompts:
-        output = model.generate(input_ids, do_sample=False, eos_token_id=eos_token_id, **generate_kwargs)
-        tokens += output.shape[1] - input_ids.shape[1]
+    for batch in inputs:
+        batch = dict(batch) if not isinstance(batch, torch.Tensor) else {"input_ids": batch}
+        output = model.generate(**batch, do_sample=False, eos_token_id=eos_token_id, **generate_kwargs)
+        tokens += output[:, batch["input_ids"].shape[1] :].numel()
     wall = time.perf_counter() - start
     return {
         "tokens": tokens,
@@ -98,6 +124,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--memory_probe", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--skip_memory", action="store_true", help="Skip the peak-memory comparison.")
+    parser.add_argument("--batch_sizes", type=int, nargs="*", default=[1, 4, 8, 16])
+    parser.add_argument("--batch_new_tokens", type=int, default=32)
     args = parser.parse_args()
     if args.memory_probe:
         return memory_probe(args.memory_probe, args.max_new_tokens)
@@ -107,20 +135,29 @@ def main() -> None:
     base_timer = ForwardTimer(base.to(device, dtype), device)
     prompts = [encode(tokenizer, prompt, device) for prompt in PROMPTS]
     rows = {}
+    single_prompts = prompts[:4]
     # No EOS: every method writes exactly max_new_tokens, so throughput compares like with like.
     ar_kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens)
-    measure(base, base_timer, prompts[:1], ar_kwargs, tokenizer.eos_token_id)  # warm-up
-    rows["base generate() (AR, greedy)"] = measure(base, base_timer, prompts, ar_kwargs, tokenizer.eos_token_id)
+    measure(base, base_timer, single_prompts[:1], ar_kwargs, tokenizer.eos_token_id)  # warm-up
+    rows["base generate() (AR, greedy)"] = measure(base, base_timer, single_prompts, ar_kwargs, tokenizer.eos_token_id)
+    batched_rows = {}
+    for batch_size in args.batch_sizes:
+        batch = left_padded_batches(tokenizer, PROMPTS[:batch_size], device)
+        kwargs = dict(max_new_tokens=args.batch_new_tokens, min_new_tokens=args.batch_new_tokens)
+        batched_rows[("base generate()", batch_size)] = measure(base, base_timer, batch, kwargs, tokenizer.eos_token_id)
 
     model, tokenizer = convert_to_refusion(base, tokenizer)
     timer = ForwardTimer(model, device)
     for name, settings in SETTINGS.items():
         kwargs = dict(max_new_tokens=args.max_new_tokens, **settings)
-        rows[f"ReFusion {name}"] = measure(model, timer, prompts, kwargs, [])
+        rows[f"ReFusion {name}"] = measure(model, timer, single_prompts, kwargs, [])
+    for batch_size in args.batch_sizes:
+        batch = left_padded_batches(tokenizer, PROMPTS[:batch_size], device)
+        kwargs = dict(max_new_tokens=args.batch_new_tokens, **SETTINGS[BATCH_SETTING])
+        batched_rows[(f"ReFusion {BATCH_SETTING}", batch_size)] = measure(model, timer, batch, kwargs, [])
 
-    print(
-        f"\nDecoding {len(PROMPTS)} prompts x {args.max_new_tokens} new tokens, batch 1, {args.device}, {args.dtype}\n"
-    )
+    setup = f"batch 1, {args.device}, {args.dtype}"
+    print(f"\nDecoding {len(single_prompts)} prompts x {args.max_new_tokens} new tokens, {setup}\n")
     print("| method | tokens/s | forwards | tokens/forward | in forwards | orchestration |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
@@ -128,6 +165,13 @@ def main() -> None:
             f"| {name} | {row['tokens_per_s']:.1f} | {row['forwards']} | {row['tokens_per_forward']:.2f} | "
             f"{100 * row['forward_share']:.1f}% | {100 * (1 - row['forward_share']):.1f}% |"
         )
+
+    print(f"\nBatched decoding: {args.batch_new_tokens} new tokens per prompt, left-padded, {args.device}\n")
+    print("| method | batch | tokens/s | forwards | tokens/s vs batch 1 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for (name, batch_size), row in batched_rows.items():
+        speedup = row["tokens_per_s"] / batched_rows[(name, args.batch_sizes[0])]["tokens_per_s"]
+        print(f"| {name} | {batch_size} | {row['tokens_per_s']:.1f} | {row['forwards']} | {speedup:.2f}x |")
 
     if args.skip_memory or args.device != "cpu":
         return

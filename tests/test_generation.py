@@ -83,7 +83,7 @@ def test_cached_equals_recomputation_on_every_backbone(architecture):
 
 
 def run_decoder(model, **overrides):
-    settings = resolve_settings(model, None, PROMPT.shape[1], {"eos_token_id": [], **overrides})
+    settings, _ = resolve_settings(model, None, PROMPT.shape[1], {"eos_token_id": [], **overrides})
     decoder, cache = SlotDecoder(PROMPT[0], settings), DynamicCache()
     with torch.no_grad():
         execute(model, [decoder], cache)
