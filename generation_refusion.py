@@ -480,10 +480,13 @@ def execute(
     cached_ranks = torch.zeros((len(rows), 0), dtype=torch.long, device=device)
     forwards = 0
     while rows:
+        # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
-            name: pad_sequence([getattr(request, name) for request in requests], batch_first=True, padding_value=value)
+            name: pad_sequence([getattr(request, name) for request in requests], True, value, padding_side="left")
             for name, value in PADDING.items()
         }
+        width = batch["ids"].shape[1]
+        query_lengths = [len(request) - request.num_pending for request in requests]
         past = cached_ranks.shape[1]
         key_ranks = torch.cat([cached_ranks, batch["ranks"]], dim=1)
         key_groups = torch.cat([torch.full_like(cached_ranks, -1), batch["groups"]], dim=1)
@@ -496,20 +499,21 @@ def execute(
             attention_mask=mask,
             cache=cache,
             use_cache=use_cache,
+            logits_to_keep=max(query_lengths),
         ).logits
         forwards += 1
-        kept, next_requests = [], []
-        for row, (request, step) in enumerate(zip(requests, (steps[r] for r in rows))):
+        kept_ends, next_requests = [], []
+        for row, (length, step) in enumerate(zip(query_lengths, (steps[r] for r in rows))):
             try:
-                next_requests.append(step.send(logits[row, request.num_pending : len(request)]))
+                next_requests.append(step.send(logits[row, logits.shape[1] - length :]))
             except StopIteration:
                 next_requests.append(None)
-            kept.append(request.num_pending + decoders[rows[row]].keep)
+            kept_ends.append(width - length + decoders[rows[row]].keep)  # pending and kept queries stay
         if cache is not None:
-            width = max(kept)
-            keep = torch.arange(width, device=device) < torch.tensor(kept, device=device)[:, None]
-            cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :width].masked_fill(~keep, NEVER)], dim=1)
-            cache.crop(width - batch["ids"].shape[1])
+            kept = max(kept_ends)
+            keep = torch.arange(kept, device=device) < torch.tensor(kept_ends, device=device)[:, None]
+            cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :kept].masked_fill(~keep, NEVER)], dim=1)
+            cache.crop(kept - width)
         if monitor is not None:
             monitor.update()
         alive = [

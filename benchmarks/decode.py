@@ -110,7 +110,9 @@ def measure(model, timer, inputs, generate_kwargs, eos_token_id) -> dict:
 def memory_probe(settings_name: str, max_new_tokens: int) -> None:
     """Run one decoding setting in this (fresh) process and print its peak RSS in MB."""
     model, tokenizer = convert_to_refusion(*load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF))
-    input_ids = encode(tokenizer, PROMPTS[0], "cpu")
+    # A long prompt (~2000 tokens, ~90 MB of KV cache) so that a per-slot copy of the cache would show.
+    context = " ".join(PROMPTS * 14)
+    input_ids = encode(tokenizer, f"{context}\n\nAnswer the first question: {PROMPTS[0]}", "cpu")
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=[], **SETTINGS[settings_name])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -175,7 +177,7 @@ def main() -> None:
 
     if args.skip_memory or args.device != "cpu":
         return
-    print("\nPeak RSS while decoding (fresh process each, prompt 1)\n")
+    print("\nPeak RSS while decoding a ~2000-token prompt (fresh process each)\n")
     print("| setting | chosen slots per step | peak RSS MB | growth during decode MB |")
     print("| --- | ---: | ---: | ---: |")
     for name, chosen in (("slot 8, thresholds 1/1 (serial)", 1), ("slot 8, thresholds 0/0 (all parallel)", 8)):

@@ -67,7 +67,7 @@ def main() -> None:
     output = reloaded.generate(input_ids, return_dict_in_generate=True, **settings)
     seconds = time.perf_counter() - start
     answer = output.sequences[0, input_ids.shape[1] :]
-    print(f"[refusion] {tokenizer.decode(answer, skip_special_tokens=True)!r}")
+    print(f"[refusion] {tokenizer.decode(answer, skip_special_tokens=True)!r}  (untrained [MASK] predictions)")
     print(
         f"          {settings}: {answer.shape[0] / seconds:.1f} tokens/s, {output.num_forward_passes} forwards, "
         f"{output.tokens_per_forward:.2f} tokens/forward"
