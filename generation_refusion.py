@@ -19,6 +19,11 @@ Every forward is `[pending tokens | queries]` after the cache: pending tokens (f
 are kept, the queries' K/V are cropped away again. Each stored token remembers what it attended to (a prefix of
 the sequence and its own slot), so `use_cache=False` can recompute every forward from scratch with exactly the
 same attention and must return exactly the same tokens.
+
+Batches: each row's decisions are a generator (`SlotDecoder.steps`) that yields its next request; `execute` runs
+the requests of all rows as one batched forward over one `DynamicCache`. Rows of different lengths leave holes in
+the shared cache, hidden by a per-row storage rank of every cache column; finished rows leave the batch. The host
+is consulted once per row and step, for the decisions that shape the next request (chosen slots, accepted counts).
 """
 
 import copy
