@@ -12,6 +12,8 @@ tokens. Inside a block every iteration runs:
 3. **infill** the other chosen slots are completed in parallel, in one forward per round, each attending only
               to the committed sequence and to itself. A round accepts the drafts that pass and then one token
               of the model's own (so every round advances), and redrafts the rest from the same forward.
+              Accepted tokens enter the sequence in the next round's forward, in their slot's own group, so
+              each is computed once.
 4. **commit** finished slots are appended to the sequence and the KV cache in commit order with their own
               position ids; their K/V are computed once, at the start of the next forward.
 
@@ -306,41 +308,71 @@ class SlotDecoder:
         lengths = self._lengths(eos_offsets[:leading])
         self.keep = sum(lengths)
         self._commit(chosen[:leading], tokens[:leading], index[:leading], None, lengths, computed=True)
-        rest = zip(chosen[leading:], accepted[leading:])
-        rest = {slot: count for slot, count in rest if self.status[slot] != self.DONE}
+        rest = zip(chosen[leading:], accepted[leading:], eos_offsets[leading:])
+        rest = {slot: min(count, eos + 1) for slot, count, eos in rest if self.status[slot] != self.DONE}
         for slot in rest:
             self.status[slot] = self.INFILLING
         return rest
 
     def infill(self, known: dict[int, int]):
         """Complete the given slots (slot -> tokens already accepted) in parallel, each attending only to the
-        committed sequence and to itself; every round accepts the passing drafts plus one token of the model's."""
+        committed sequence and to itself; every round accepts the passing drafts plus one token of the model's.
+
+        A round's request holds each slot's newly accepted tokens (kept: they enter the sequence, in the slot's
+        own group) and then its remaining drafts (dropped again), so no accepted token is computed twice.
+        """
         prefix, size = self.length, self.settings.slot_size
+        groups = dict(zip(known, self._new_groups(len(known)).tolist()))
+        stored = dict.fromkeys(known, 0)  # leading tokens of each slot already in the sequence
         while known := {slot: count for slot, count in known.items() if self.status[slot] == self.INFILLING}:
             slots = list(known)
             index = self._slot_index(slots)
-            is_known = self.offsets < torch.tensor(list(known.values()), device=self.device)[:, None]
+            counts = torch.tensor(list(known.values()), device=self.device)[:, None]
+            fresh = (self.offsets >= torch.tensor([stored[slot] for slot in slots], device=self.device)[:, None]) & (
+                self.offsets < counts
+            )
+            drafting = self.offsets >= counts
             tokens = self.drafts[index]  # accepted tokens, then the latest drafts
-            groups = self._new_groups(len(slots)).repeat_interleave(size)
-            queries = Chunk(tokens.flatten(), index.flatten() + self.prompt_length, groups, prefix)
-            logits = yield from self._forward(queries)
-            probabilities = token_distribution(logits, self.settings).view(*tokens.shape, -1)
-            predicted, _ = pick_tokens(probabilities[:, :-1], self.settings.do_sample)
-            ar_probability = probabilities[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-            passed = is_known[:, 1:] | passes(ar_probability, self.settings.token_threshold)
-            first_failure = 1 + passed.long().cumprod(dim=1).sum(dim=1)  # the model's own token goes here
+            slot_groups = torch.tensor([groups[slot] for slot in slots], device=self.device)[:, None].expand_as(index)
+            query = Chunk(
+                torch.cat([tokens[fresh], tokens[drafting]]),
+                torch.cat([index[fresh], index[drafting]]) + self.prompt_length,
+                torch.cat([slot_groups[fresh], slot_groups[drafting]]),
+                prefix,
+            )
+            logits = yield from self._forward(query)
+            num_fresh = sum(count - stored[slot] for slot, count in known.items())
+            self.keep = num_fresh
+            self._store(
+                Chunk(query.ids[:num_fresh], query.positions[:num_fresh], query.groups[:num_fresh], prefix), True
+            )
+            stored.update(known)
+            # Query row of every (slot, offset) in this request; offset i is predicted from offset i - 1.
+            row_of = torch.zeros_like(index)
+            row_of[fresh] = torch.arange(num_fresh, device=self.device)
+            row_of[drafting] = num_fresh + torch.arange(len(query) - num_fresh, device=self.device)
+            source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)[drafting]
+            probabilities = token_distribution(logits[source], self.settings)
+            predicted = torch.zeros_like(tokens)
+            predicted[drafting], _ = pick_tokens(probabilities, self.settings.do_sample)
+            ar_probability = torch.ones_like(tokens, dtype=probabilities.dtype)
+            ar_probability[drafting] = probabilities.gather(-1, tokens[drafting][:, None])[:, 0]
+            passed = ~drafting | passes(ar_probability, self.settings.token_threshold)
+            first_failure = passed.long().cumprod(dim=1).sum(dim=1)  # the model's own token goes here
             # Accepted tokens stay; from the first failure on, each position takes the model's prediction.
-            proposals = torch.cat([tokens[:, :1], predicted], dim=1)
-            tokens = torch.where(self.offsets < first_failure[:, None], tokens, proposals)
+            tokens = torch.where(self.offsets < first_failure[:, None], tokens, predicted)
             self.drafts[index] = tokens
-            counts = (first_failure + 1).clamp(max=size)
-            counts, eos_offsets = torch.stack([counts, self._eos_offsets(tokens, counts)]).tolist()
-            finished = [row for row in range(len(slots)) if counts[row] == size or eos_offsets[row] < counts[row]]
+            new_counts = (first_failure + 1).clamp(max=size)
+            new_counts, eos_offsets = torch.stack([new_counts, self._eos_offsets(tokens, new_counts)]).tolist()
+            finished = [
+                row for row in range(len(slots)) if new_counts[row] == size or eos_offsets[row] < new_counts[row]
+            ]
             finished_slots = [slots[row] for row in finished]
             self._end_at(finished_slots, [eos_offsets[row] for row in finished])
             lengths = self._lengths([eos_offsets[row] for row in finished])
-            self._commit(finished_slots, tokens[finished], index[finished], prefix, lengths)
-            known = dict(zip(slots, counts))
+            for slot, row, length in zip(finished_slots, finished, lengths):
+                self._finish_slot(slot, tokens[row], index[row], stored[slot], length, groups[slot], prefix)
+            known = dict(zip(slots, new_counts))
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
@@ -396,6 +428,14 @@ class SlotDecoder:
         else:
             chunk = Chunk(ids, positions, self._new_groups(len(slots)).repeat_interleave(keep.sum(dim=1)), prefix)
         self._store(chunk, computed)
+
+    def _finish_slot(self, slot, tokens, index, stored: int, length: int, group: int, prefix: int) -> None:
+        """Commit an infilled slot: its tokens not yet in the sequence join it, in the slot's group."""
+        self.status[slot] = self.DONE
+        self.answer[index[:length]] = tokens[:length]
+        if length > stored:
+            ids, positions = tokens[stored:length], index[stored:length] + self.prompt_length
+            self._store(Chunk(ids, positions, torch.full_like(ids, group), prefix))
 
     def _store(self, chunk: Chunk, computed: bool = False) -> None:
         chunk.start = self.length
@@ -482,7 +522,8 @@ def execute(
     rows = list(range(len(decoders)))
     requests = [next(step) for step in steps]
     use_cache = cache is not None
-    cached_ranks = torch.zeros((len(rows), 0), dtype=torch.long, device=device)
+    cached_ranks = torch.zeros((len(rows), 0), dtype=torch.long, device=device)  # per row and cache column
+    cached_groups = torch.zeros_like(cached_ranks)
     forwards = 0
     while rows:
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
@@ -494,7 +535,7 @@ def execute(
         query_lengths = [len(request) - request.num_pending for request in requests]
         past = cached_ranks.shape[1]
         key_ranks = torch.cat([cached_ranks, batch["ranks"]], dim=1)
-        key_groups = torch.cat([torch.full_like(cached_ranks, -1), batch["groups"]], dim=1)
+        key_groups = torch.cat([cached_groups, batch["groups"]], dim=1)
         mask = attention_mask(
             key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], past, model.dtype
         )
@@ -518,6 +559,7 @@ def execute(
             kept = max(kept_ends)
             keep = torch.arange(kept, device=device) < torch.tensor(kept_ends, device=device)[:, None]
             cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :kept].masked_fill(~keep, NEVER)], dim=1)
+            cached_groups = torch.cat([cached_groups, batch["groups"][:, :kept]], dim=1)
             cache.crop(kept - width)
         if monitor is not None:
             monitor.update()
@@ -528,7 +570,7 @@ def execute(
         ]
         if len(alive) < len(rows) and alive and cache is not None:
             cache.batch_select_indices(torch.tensor(alive, device=device))
-            cached_ranks = cached_ranks[alive]
+            cached_ranks, cached_groups = cached_ranks[alive], cached_groups[alive]
         rows = [rows[row] for row in alive]
         requests = [next_requests[row] for row in alive]
     return forwards
