@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, Qwen3Config
+from tiny import tiny_backbone
 
 from configuration_refusion import RefusionConfig
 from finetune.hybrid import IGNORE_INDEX, HybridObjectiveCollator, build_hybrid_batch
@@ -14,20 +14,12 @@ from modeling_refusion import RefusionForCausalLM, refusion_hybrid_loss
 VOCAB = 128
 MASK = VOCAB - 1
 PAD = 0
-BACKBONES = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+BACKBONES = ("llama", "qwen3")
 
 
 def tiny_refusion(architecture: str) -> RefusionForCausalLM:
     """A 2-layer random ReFusion model over a tiny backbone, in float64."""
-    text_config = BACKBONES[architecture](
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    text_config = tiny_backbone(architecture, vocab_size=VOCAB).config
     torch.manual_seed(0)
     return RefusionForCausalLM(RefusionConfig(text_config=text_config.to_dict(), mask_token_id=MASK)).double()
 
