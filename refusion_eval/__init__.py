@@ -32,7 +32,10 @@ class RefusionLM(HFLM):
         kwargs.setdefault("trust_remote_code", True)
         super().__init__(pretrained=pretrained, **kwargs)
         given = dict(
-            slot_size=slot_size, slot_threshold=slot_threshold, token_threshold=token_threshold, block_length=block_length
+            slot_size=slot_size,
+            slot_threshold=slot_threshold,
+            token_threshold=token_threshold,
+            block_length=block_length,
         )
         self.decoding = {name: value for name, value in given.items() if value is not None}
 
