@@ -22,6 +22,10 @@ setup(
     install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
     extras_require={"train": TRAIN, "gguf": GGUF, "eval": EVAL, "test": TEST},
     entry_points={
-        "console_scripts": ["refusion-convert=finetune.convert:main", "refusion-lm-eval=refusion_eval.__main__:main"]
+        "console_scripts": [
+            "refusion-convert=finetune.convert:main",
+            "refusion-sft=finetune.sft:main",
+            "refusion-lm-eval=refusion_eval.__main__:main",
+        ]
     },
 )

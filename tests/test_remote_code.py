@@ -2,12 +2,11 @@
 
 import subprocess
 import sys
-import sysconfig
-import textwrap
 import zipfile
 from pathlib import Path
 
 import torch
+from hub_user import run_as_hub_user
 from tiny import tiny_backbone, tiny_tokenizer
 
 from finetune.convert import convert_to_refusion, save_refusion
@@ -15,42 +14,26 @@ from finetune.convert import convert_to_refusion, save_refusion
 ROOT = Path(__file__).resolve().parents[1]
 HUB_FILES = ("configuration_refusion.py", "modeling_refusion.py")
 
-# Runs with `python -I -S`: no user site, no .pth files (so no editable install of this project), no
-# repository on sys.path; only the interpreter's site-packages is added back. Importing this project's
-# modules by their installed names is made to fail, so the load can only come from the folder's own code.
-HUB_USER = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-    sys.path.append({site_packages!r})
+HUB_USER = """
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    class RefuseProject(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            project = {{"finetune", "configuration_refusion", "modeling_refusion", "generation_refusion"}}
-            if name.split(".")[0] in project:
-                raise ImportError(f"{{name}} must not be needed by a Hub user")
-
-    sys.meta_path.insert(0, RefuseProject())
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-    folder = {folder!r}
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
-    encoder = AutoModel.from_pretrained(folder, trust_remote_code=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-    inputs = torch.load({inputs!r})
-    with torch.no_grad():
-        logits = model(inputs).logits
-    extras = ("trl", "peft", "datasets", "gguf", "bitsandbytes", "finetune")
-    optional = sorted(name for name in extras if name in sys.modules)
-    print(json.dumps({{
-        "classes": [type(model).__module__ + "." + type(model).__name__, type(encoder).__name__],
-        "mask_token": tokenizer.mask_token,
-        "mask_token_id": model.config.mask_token_id,
-        "max_difference": (logits - torch.load({expected!r})).abs().max().item(),
-        "optional_imports": optional,
-    }}))
-    """
-)
+folder = {folder!r}
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+encoder = AutoModel.from_pretrained(folder, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+inputs = torch.load({inputs!r})
+with torch.no_grad():
+    logits = model(inputs).logits
+extras = ("trl", "peft", "datasets", "gguf", "bitsandbytes", "finetune")
+print(json.dumps({{
+    "classes": [type(model).__module__ + "." + type(model).__name__, type(encoder).__name__],
+    "mask_token": tokenizer.mask_token,
+    "mask_token_id": model.config.mask_token_id,
+    "max_difference": (logits - torch.load({expected!r})).abs().max().item(),
+    "optional_imports": sorted(name for name in extras if name in sys.modules),
+}}))
+"""
 
 
 def test_converted_folder_loads_with_only_torch_and_transformers(tmp_path):
@@ -61,25 +44,10 @@ def test_converted_folder_loads_with_only_torch_and_transformers(tmp_path):
     with torch.no_grad():
         torch.save(model(inputs).logits, tmp_path / "expected.pt")
     torch.save(inputs, tmp_path / "inputs.pt")
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-
-    script = HUB_USER.format(
-        site_packages=sysconfig.get_paths()["purelib"],
-        folder=str(folder),
-        inputs=str(tmp_path / "inputs.pt"),
-        expected=str(tmp_path / "expected.pt"),
+    code = HUB_USER.format(
+        folder=str(folder), inputs=str(tmp_path / "inputs.pt"), expected=str(tmp_path / "expected.pt")
     )
-    result = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", script],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
-        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"), "PATH": ""},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    report = run_as_hub_user(code, tmp_path)
     module, encoder = report["classes"]
     assert module.startswith("transformers_modules.") and module.endswith("modeling_refusion.RefusionForCausalLM")
     assert encoder == "RefusionForCausalLM"

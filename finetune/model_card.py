@@ -1,0 +1,97 @@
+"""The model card (README.md) written next to a fine-tuned ReFusion model and pushed to the Hub with it."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PAPER = "https://arxiv.org/abs/2512.13586"
+CITATION = """@inproceedings{li2026refusion,
+  title     = {ReFusion: A Diffusion Large Language Model with Parallel Autoregressive Decoding},
+  author    = {Li and Guan and Wu and Li},
+  booktitle = {International Conference on Learning Representations},
+  year      = {2026},
+  url       = {https://arxiv.org/abs/2512.13586}
+}"""
+
+
+@dataclass
+class TrainingSummary:
+    """What the card reports about a fine-tuning run."""
+
+    base_model: str
+    dataset: str
+    method: str
+    rows: int
+    max_length: int | None
+    slot_sizes: list[int]
+    mask_eps: float
+    steps: int
+    epochs: float
+    learning_rate: float
+    batch_size: int
+    final_losses: dict[str, float] = field(default_factory=dict)
+
+
+def _metadata(summary: TrainingSummary) -> str:
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
+    if not Path(summary.base_model).exists():
+        lines.append(f"base_model: {summary.base_model}")
+    if not Path(summary.dataset).exists():
+        lines.append(f"datasets:\n- {summary.dataset}")
+    tags = ["refusion", "masked-diffusion", "parallel-decoding", "trl", "sft"]
+    if summary.method != "full fine-tuning":
+        tags.append("lora")
+    lines.append("tags:\n" + "\n".join(f"- {tag}" for tag in tags))
+    return "\n".join([*lines, "---"])
+
+
+def render_model_card(repo_id: str, summary: TrainingSummary) -> str:
+    """Markdown with Hub metadata: what the model is, how to load and run it, how it was trained."""
+    losses = ", ".join(f"{name} {value:.4f}" for name, value in summary.final_losses.items()) or "not logged"
+    rows = [
+        ("Base model", f"`{summary.base_model}`"),
+        ("Dataset", f"`{summary.dataset}` ({summary.rows} examples)"),
+        ("Method", summary.method),
+        ("Slot sizes / mask eps", f"{summary.slot_sizes} / {summary.mask_eps:g}"),
+        ("Max length", str(summary.max_length)),
+        ("Steps / epochs", f"{summary.steps} / {summary.epochs:g}"),
+        ("Learning rate / global batch", f"{summary.learning_rate:g} / {summary.batch_size}"),
+        ("Last logged losses", losses),
+    ]
+    table = "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+    return f"""{_metadata(summary)}
+
+# {repo_id.split("/")[-1]}
+
+A [ReFusion]({PAPER}) model: a masked diffusion language model that decodes slots of tokens in parallel and
+verifies them autoregressively, reusing the KV cache exactly. It was fine-tuned from `{summary.base_model}` with the
+hybrid objective (autoregressive loss on clean slots plus masked-diffusion loss on masked slots) using TRL.
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}", trust_remote_code=True)  # it reads the config
+messages = [{{"role": "user", "content": "What is the capital of France?"}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+output = model.generate(**inputs, max_new_tokens=128)
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+`generate` runs ReFusion's plan-and-infill decoding; `slot_size`, `slot_threshold`, `token_threshold` and
+`block_length` can be passed to it (defaults in `generation_config.json`).
+
+## Training
+
+{table}
+
+An `adapter/` folder, when present, holds the LoRA adapter; it applies to the base model converted to ReFusion
+(`finetune.convert.convert_to_refusion`) and loads with `peft.PeftModel.from_pretrained`.
+
+## Citation
+
+```bibtex
+{CITATION}
+```
+"""
