@@ -9,6 +9,7 @@ token (reused when the tokenizer already has one) and ReFusion's configuration a
 """
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -21,6 +22,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from configuration_refusion import RefusionConfig
 from modeling_refusion import SUPPORTED_ATTENTION, RefusionForCausalLM
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
 DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
@@ -95,12 +98,14 @@ def convert_to_refusion(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
+    attention = model.config._attn_implementation  # read before the wrapper's init adjusts the shared config
     config = RefusionConfig(text_config=model.config, mask_token_id=mask_token_id, **refusion_kwargs)
     with torch.device("meta"):
         refusion = RefusionForCausalLM(config)
     refusion.model = model.model
     refusion.lm_head = model.lm_head
-    if model.config._attn_implementation not in SUPPORTED_ATTENTION:
+    if attention not in SUPPORTED_ATTENTION:
+        logger.warning("attn_implementation=%r misreads out-of-order position ids; ReFusion uses 'sdpa'.", attention)
         refusion.set_attn_implementation("sdpa")
     refusion.generation_config = refusion_generation_config(model.generation_config, config, tokenizer)
     refusion.eval()

@@ -158,3 +158,14 @@ def test_real_smollm2_conversion_preserves_logits(smollm2_folder):
     assert model.config.text_config.model_type == "llama"
     assert tokenizer.mask_token_id == model.config.mask_token_id == expected.shape[-1]
     assert (logits - expected).abs().max() <= 1e-5
+
+
+def test_attention_that_misreads_positions_is_switched_to_sdpa_with_a_warning(caplog):
+    tokenizer = tiny_tokenizer()
+    base = tiny_backbone("llama", vocab_size=len(tokenizer))
+    base.set_attn_implementation("flex_attention")
+    with caplog.at_level("WARNING", logger="finetune.convert"):
+        model, _ = convert_to_refusion(base, tokenizer)
+    assert model.config.text_config._attn_implementation == "sdpa"
+    assert "flex_attention" in caplog.text
+    assert model(torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, len(tokenizer))
