@@ -1,0 +1,1 @@
+"""The SmolLM2-135M-Instruct ReFusion recipe: in-repo prompts, self-distillation, LoRA fine-tuning."""

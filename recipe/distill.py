@@ -1,0 +1,62 @@
+"""Self-distillation: the base model answers the training prompts with its own greedy decoding, in batches.
+
+The answers become fine-tuning rows in the ReFusion authors' format, `{"query": prompt, "response": answer}`,
+appended to a JSONL file one batch at a time, so an interrupted run resumes where it stopped.
+"""
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def answer_batch(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], max_new_tokens: int
+) -> list[str]:
+    """Greedy answers to chat-formatted `prompts`, decoded as one left-padded batch."""
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    with torch.no_grad():
+        output = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    answers = output[:, batch["input_ids"].shape[1] :]
+    return [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
+
+
+def batches(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def distill(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    output_file: str | Path,
+    batch_size: int = 8,
+    max_new_tokens: int = 128,
+) -> int:
+    """Answer every prompt not yet in `output_file` and append the rows; return how many rows the file holds.
+
+    Empty answers are skipped (they would be malformed training rows).
+    """
+    output_file = Path(output_file)
+    done = set()
+    if output_file.exists():
+        done = {json.loads(line)["query"] for line in output_file.read_text(encoding="utf-8").splitlines() if line}
+    todo = [prompt for prompt in prompts if prompt not in done]
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    with output_file.open("a", encoding="utf-8") as sink:
+        for chunk in batches(todo, batch_size):
+            for prompt, answer in zip(chunk, answer_batch(model, tokenizer, chunk, max_new_tokens)):
+                if answer:
+                    sink.write(json.dumps({"query": prompt, "response": answer}) + "\n")
+            sink.flush()
+    return sum(1 for line in output_file.read_text(encoding="utf-8").splitlines() if line)

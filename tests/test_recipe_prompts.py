@@ -1,0 +1,45 @@
+"""The recipe's in-repo prompt set: size, variety, a stable held-out split, correct references."""
+
+import re
+
+from recipe.prompts import CAPITALS, build_prompts, split_prompts
+
+KINDS = {"factual", "explanation", "list", "code", "rewriting", "arithmetic"}
+
+
+def test_prompt_set_is_large_varied_and_unique():
+    prompts = build_prompts()
+    assert len(prompts) >= 1500
+    assert len({prompt.text for prompt in prompts}) == len(prompts)
+    counts = {kind: sum(prompt.kind == kind for prompt in prompts) for kind in KINDS}
+    assert min(counts.values()) >= 50, counts
+    assert build_prompts() == prompts  # reproducible
+
+
+def test_held_out_split_is_disjoint_stable_and_verifiable():
+    prompts = build_prompts()
+    train, held_out = split_prompts(prompts)
+    assert {p.text for p in train}.isdisjoint({p.text for p in held_out})
+    assert len(train) + len(held_out) == len(prompts)
+    assert 0.05 <= len(held_out) / len(prompts) <= 0.15
+    assert split_prompts(list(reversed(prompts)))[1] == list(reversed(held_out))  # by text, not by position
+    assert {p.kind for p in held_out} == KINDS
+    assert sum(p.reference is not None for p in held_out) >= 30
+
+
+def test_references_are_correct():
+    for prompt in build_prompts():
+        if prompt.kind == "arithmetic":
+            first, second = (int(number) for number in re.findall(r"\d+", prompt.text)[:2])
+            if "gets" in prompt.text:
+                expected = first + second
+            elif "gave away" in prompt.text:
+                expected = first - second
+            else:
+                expected = first * second
+            assert prompt.reference == str(expected), prompt.text
+        elif "capital" in prompt.text:
+            country = next(country for country in CAPITALS if country in prompt.text)
+            assert prompt.reference == CAPITALS[country]
+        elif prompt.kind in {"explanation", "list", "code", "rewriting"}:
+            assert prompt.reference is None
