@@ -21,12 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from configuration_refusion import RefusionConfig
+from generation_refusion import DECODING_FIELDS
 from modeling_refusion import SUPPORTED_ATTENTION, RefusionForCausalLM
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
-DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
 
 
 def load_causal_lm(
