@@ -5,17 +5,22 @@ appended to a JSONL file one batch at a time, so an interrupted run resumes wher
 """
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+# A sentence's last character (not the dot of "3." in a numbered list) or a line break.
+SENTENCE_END = re.compile(r"(?<![0-9])[.!?](?=\s|$)|\n")
+
 
 def answer_batch(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], max_new_tokens: int
-) -> list[str]:
-    """Greedy answers to chat-formatted `prompts`, decoded as one left-padded batch."""
+) -> list[tuple[str, bool]]:
+    """Greedy answers to chat-formatted `prompts`, decoded as one left-padded batch, each with whether it ended
+    at EOS (True) or was cut off by `max_new_tokens` (False)."""
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         for p in prompts
@@ -27,7 +32,19 @@ def answer_batch(
             **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
     answers = output[:, batch["input_ids"].shape[1] :]
-    return [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
+    finished = (answers == tokenizer.eos_token_id).any(dim=1).tolist()
+    texts = [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
+    return list(zip(texts, finished))
+
+
+def cut_at_sentence_end(text: str) -> str:
+    """An answer cut off by `max_new_tokens`, shortened to its last complete sentence or line ("" if none).
+
+    Training rows end with EOS, so a row ending mid-sentence would teach the model to stop mid-sentence.
+    """
+    ends = [match.end() for match in SENTENCE_END.finditer(text)]
+    end = ends[-1] if ends else 0
+    return text[:end].strip() if end >= len(text) // 2 else ""
 
 
 def batches(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
@@ -45,7 +62,8 @@ def distill(
 ) -> int:
     """Answer every prompt not yet in `output_file` and append the rows; return how many rows the file holds.
 
-    Empty answers are skipped (they would be malformed training rows).
+    An answer cut off by `max_new_tokens` keeps its complete sentences only; empty answers are skipped (they would
+    be malformed training rows).
     """
     output_file = Path(output_file)
     done = set()
@@ -55,7 +73,8 @@ def distill(
     output_file.parent.mkdir(parents=True, exist_ok=True)
     with output_file.open("a", encoding="utf-8") as sink:
         for chunk in batches(todo, batch_size):
-            for prompt, answer in zip(chunk, answer_batch(model, tokenizer, chunk, max_new_tokens)):
+            for prompt, (answer, finished) in zip(chunk, answer_batch(model, tokenizer, chunk, max_new_tokens)):
+                answer = answer if finished else cut_at_sentence_end(answer)
                 if answer:
                     sink.write(json.dumps({"query": prompt, "response": answer}) + "\n")
             sink.flush()
