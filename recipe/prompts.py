@@ -8,6 +8,7 @@ Every prompt goes to one split by a hash of its text, so the held-out split neve
 
 import hashlib
 import itertools
+import random
 from dataclasses import dataclass
 
 CAPITALS = {
@@ -147,3 +148,15 @@ def split_prompts(prompts: list[Prompt], held_out_percent: int = 10) -> tuple[li
     held_out = [prompt for prompt in prompts if is_held_out(prompt, held_out_percent)]
     train = [prompt for prompt in prompts if not is_held_out(prompt, held_out_percent)]
     return train, held_out
+
+
+def interleave_kinds(prompts: list[Prompt], seed: int = 0) -> list[Prompt]:
+    """The prompts reordered so that any prefix is balanced across kinds: each kind shuffled (seeded), then one of
+    each kind in turn until a kind runs out. Taking the first n trains on every kind, not only the first listed."""
+    groups: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.kind, []).append(prompt)
+    for kind, group in groups.items():
+        random.Random(f"{seed}:{kind}").shuffle(group)
+    rounds = itertools.zip_longest(*groups.values())
+    return [prompt for round_ in rounds for prompt in round_ if prompt is not None]

@@ -18,7 +18,7 @@ from finetune import sft
 from finetune.convert import load_causal_lm
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
 from recipe.distill import distill
-from recipe.prompts import build_prompts, split_prompts
+from recipe.prompts import build_prompts, interleave_kinds, split_prompts
 
 
 def load_config(path: str | Path, overrides: list[str]) -> dict:
@@ -67,7 +67,7 @@ def run(config: dict) -> Path:
     rows = distill(
         teacher,
         tokenizer,
-        [prompt.text for prompt in train[: steps["train_prompts"]]],
+        [prompt.text for prompt in interleave_kinds(train)[: steps["train_prompts"]]],
         output_dir / "distilled.jsonl",
         batch_size=steps["batch_size"],
         max_new_tokens=steps["max_new_tokens"],

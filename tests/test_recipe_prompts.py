@@ -2,7 +2,7 @@
 
 import re
 
-from recipe.prompts import CAPITALS, build_prompts, split_prompts
+from recipe.prompts import CAPITALS, build_prompts, interleave_kinds, split_prompts
 
 KINDS = {"factual", "explanation", "list", "code", "rewriting", "arithmetic"}
 
@@ -43,3 +43,14 @@ def test_references_are_correct():
             assert prompt.reference == CAPITALS[country]
         elif prompt.kind in {"explanation", "list", "code", "rewriting"}:
             assert prompt.reference is None
+
+
+def test_training_prompts_are_interleaved_so_any_prefix_covers_every_kind():
+    train, _ = split_prompts(build_prompts())
+    ordered = interleave_kinds(train)
+    assert sorted(p.text for p in ordered) == sorted(p.text for p in train)  # a permutation
+    assert interleave_kinds(train) == ordered  # seeded
+    first = ordered[: 6 * 40]
+    assert all(sum(p.kind == kind for p in first) == 40 for kind in KINDS)
+    capitals = [p for p in ordered[:60] if p.kind == "factual"]
+    assert len({p.text.split()[-1] for p in capitals}) > 5  # shuffled within a kind too, not one template's run
