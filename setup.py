@@ -7,7 +7,9 @@ from setuptools import find_packages, setup
 TRAIN = ["trl>=1.16,<2", "peft>=0.21,<1", "datasets>=4", "accelerate>=1.10", "bitsandbytes>=0.49"]
 GGUF = ["gguf>=0.17", "accelerate>=1.10"]
 EVAL = ["lm-eval>=0.4.10,<0.5"]
-TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF, *EVAL]
+DEMO = [*GGUF, "peft>=0.21,<1"]  # the built-in default model with the recipe's LoRA adapter
+BENCH = [*DEMO, "matplotlib>=3.7"]
+TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF, *EVAL, *BENCH]
 
 setup(
     name="refusion",
@@ -18,9 +20,9 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion"],
-    packages=find_packages(include=["finetune", "finetune.*", "refusion_eval"]),
+    packages=find_packages(include=["finetune", "finetune.*", "refusion_eval", "recipe"]),
     install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
-    extras_require={"train": TRAIN, "gguf": GGUF, "eval": EVAL, "test": TEST},
+    extras_require={"train": TRAIN, "gguf": GGUF, "eval": EVAL, "demo": DEMO, "bench": BENCH, "test": TEST},
     entry_points={
         "console_scripts": [
             "refusion-convert=finetune.convert:main",

