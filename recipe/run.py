@@ -12,6 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from finetune import sft
@@ -64,6 +65,8 @@ def run(config: dict) -> Path:
     model = model_location(config)
     teacher, tokenizer = load_causal_lm(model[0], gguf_file=model[1])
     steps = config["distill"]
+    device = steps.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    teacher.to(device, getattr(torch, steps.get("dtype") or "float32"))
     rows = distill(
         teacher,
         tokenizer,

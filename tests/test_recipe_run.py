@@ -72,3 +72,19 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, m
     assert answer.shape == (1, inputs.shape[1] + 8)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         with_adapter(base, tokenizer, tmp_path / "out")
+
+
+def test_gpu_config_is_the_cpu_recipe_with_other_sizes():
+    folder = Path(__file__).parents[1] / "recipe"
+    cpu, gpu = load_config(folder / "smollm2.yaml", []), load_config(folder / "smollm2-gpu.yaml", [])
+    assert cpu.keys() == gpu.keys() and cpu["distill"].keys() == gpu["distill"].keys()
+    assert set(gpu["sft"]) - set(cpu["sft"]) == {"bf16"}  # mixed precision is the only new training flag
+    assert {key for key in cpu["sft"] if cpu["sft"][key] != gpu["sft"][key]} <= {
+        "lora_r",
+        "lora_alpha",
+        "max_steps",
+        "per_device_train_batch_size",
+        "max_length",
+        "logging_steps",
+        "save_steps",
+    }
