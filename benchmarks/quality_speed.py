@@ -143,6 +143,7 @@ def plot(results: dict, path: Path) -> None:
         axis.axvline(1.0, color="grey", linewidth=0.5)
         axis.set_xlabel("wall-clock speed-up over AR generate(), batch 1")
         axis.set_ylabel(label)
+    axes[1].set_yscale("log")
     axes[0].set_title("ReFusion slots (o), token-level ablation (^), AR (*)", fontsize=9)
     figure.suptitle(
         f"ReFusion SmolLM2-135M vs AR: {results['prompts']} held-out prompts, {results['machine']}", fontsize=10
@@ -216,8 +217,7 @@ def main() -> None:
     progress = []
     for checkpoint in args.checkpoints:
         step = int(re.search(r"(\d+)$", Path(checkpoint).name.rstrip("/")).group(1))
-        adapted, _ = with_adapter(base.float().cpu(), tokenizer, checkpoint)
-        base, adapted = base.to(args.device, dtype), adapted.to(args.device, dtype)
+        adapted = with_adapter(base, tokenizer, checkpoint)[0].to(args.device, dtype)
         run = decode(adapted, refusion_tokenizer, prompt_ids, args.max_new_tokens, block_length=32, **GRID[DEFAULT])
         progress.append({**measure(Path(checkpoint).name, "slots", run, 1, ar_row, teacher), "step": step})
         del adapted
