@@ -21,6 +21,8 @@ from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
 from recipe.distill import distill
 from recipe.prompts import build_prompts, interleave_kinds, split_prompts
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
 
 def load_config(path: str | Path, overrides: list[str]) -> dict:
     """The YAML config with `section.key=value` overrides (values parsed as YAML)."""
@@ -83,7 +85,9 @@ def run(config: dict) -> Path:
     if status != 0:
         raise SystemExit(status)
     artifacts.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(trained / "adapter", artifacts / "adapter", dirs_exist_ok=True)
+    (artifacts / "adapter").mkdir(exist_ok=True)
+    for name in ADAPTER_FILES:  # not PEFT's blank card, the tokenizer (the base one + [MASK]), the pickled args
+        shutil.copy2(trained / "adapter" / name, artifacts / "adapter" / name)
     state = json.loads((trained / "trainer_state.json").read_text(encoding="utf-8"))
     (artifacts / "training_log.json").write_text(json.dumps(state["log_history"], indent=1), encoding="utf-8")
     (artifacts / "recipe.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")

@@ -13,7 +13,7 @@ import recipe.distill
 from finetune.convert import convert_to_refusion
 from recipe.decoding import chat_prompt_ids
 from recipe.model import with_adapter
-from recipe.run import load_config, run
+from recipe.run import ADAPTER_FILES, load_config, run
 
 
 def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, monkeypatch):
@@ -46,6 +46,7 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, m
 
     adapter = artifacts / "adapter" / "adapter_model.safetensors"
     assert adapter.is_file() and adapter.stat().st_size <= 20 * 2**20
+    assert sorted(path.name for path in adapter.parent.iterdir()) == sorted(ADAPTER_FILES)
     log = json.loads((artifacts / "training_log.json").read_text())
     assert [entry["step"] for entry in log if "loss" in entry] == [1, 2]
     assert all({"ar_loss", "mdm_loss"} <= entry.keys() for entry in log if "loss" in entry)
