@@ -9,8 +9,9 @@ import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from recipe.decoding import chat_prompt_ids, decode
 
 # A sentence's last character (not the dot of "3." in a numbered list) or a line break.
 SENTENCE_END = re.compile(r"(?<![0-9])[.!?](?=\s|$)|\n")
@@ -21,20 +22,11 @@ def answer_batch(
 ) -> list[tuple[str, bool]]:
     """Greedy answers to chat-formatted `prompts`, decoded as one left-padded batch, each with whether it ended
     at EOS (True) or was cut off by `max_new_tokens` (False)."""
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in prompts
+    run = decode(model, tokenizer, chat_prompt_ids(tokenizer, prompts), max_new_tokens, batch_size=len(prompts))
+    return [
+        (tokenizer.decode(answer, skip_special_tokens=True).strip(), len(answer) < max_new_tokens)
+        for answer in run.answers
     ]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    with torch.no_grad():
-        output = model.generate(
-            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-    answers = output[:, batch["input_ids"].shape[1] :]
-    finished = (answers == tokenizer.eos_token_id).any(dim=1).tolist()
-    texts = [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
-    return list(zip(texts, finished))
 
 
 def cut_at_sentence_end(text: str) -> str:
