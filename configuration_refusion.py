@@ -1,7 +1,8 @@
 """Configuration of ReFusion: a slot-based masked diffusion LM over an ordinary RoPE causal decoder.
 
-The backbone keeps its own configuration (``text_config``); ReFusion adds the mask token, the default
-decoding parameters and the slot sizes used by the hybrid training objective.
+The backbone keeps its own configuration (``text_config``); ReFusion adds the mask token and the slot sizes used by
+the hybrid training objective. Decoding parameters (slot size, thresholds, block length, infill mode) live in the
+generation config, as every `generate()` option does.
 """
 
 from dataclasses import field
@@ -26,14 +27,6 @@ class RefusionConfig(PreTrainedConfig):
             Configuration of the causal decoder backbone (one of `SUPPORTED_BACKBONES`).
         mask_token_id (`int`, *optional*):
             Id of the `[MASK]` token that stands for a token still to be generated.
-        slot_size (`int`, defaults to 8):
-            Default number of consecutive tokens in a decoding slot.
-        slot_threshold (`float`, defaults to 0.8):
-            A slot is chosen for decoding when the probability of its first draft token exceeds this.
-        token_threshold (`float`, defaults to 0.3):
-            A drafted token is accepted when its autoregressive probability exceeds this.
-        block_length (`int`, defaults to 32):
-            Tokens per serial block (semi-autoregressive decoding); a multiple of `slot_size`.
         train_slot_sizes (`list[int]`, defaults to `[4, 8, 16, 32]`):
             Slot sizes drawn from, one per example, by the hybrid training objective.
         mask_eps (`float`, defaults to 1e-3):
@@ -45,10 +38,6 @@ class RefusionConfig(PreTrainedConfig):
 
     text_config: dict | PreTrainedConfig | None = None
     mask_token_id: int | None = None
-    slot_size: int = 8
-    slot_threshold: float = 0.8
-    token_threshold: float = 0.3
-    block_length: int = 32
     train_slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     mask_eps: float = 1e-3
     tie_word_embeddings: bool = False
@@ -74,15 +63,6 @@ class RefusionConfig(PreTrainedConfig):
         vocab_size = self.text_config.vocab_size
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {vocab_size}).")
-        if self.slot_size < 1:
-            raise ValueError(f"slot_size must be at least 1, got {self.slot_size}.")
-        if self.block_length < 1 or self.block_length % self.slot_size:
-            raise ValueError(
-                f"block_length ({self.block_length}) must be a positive multiple of slot_size ({self.slot_size})."
-            )
-        for name in ("slot_threshold", "token_threshold"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}.")
         if not self.train_slot_sizes or min(self.train_slot_sizes) < 1:
             raise ValueError(
                 f"train_slot_sizes must be a non-empty list of positive sizes, got {self.train_slot_sizes}."

@@ -1,7 +1,7 @@
 """ReFusion decoding: iterative plan-and-infill over slots with exact KV-cache reuse.
 
 The answer is cut into slots of `slot_size` consecutive tokens, grouped into serial blocks of `block_length`
-tokens. Inside a block every iteration runs:
+tokens. Inside a block every step runs:
 
 1. **plan**   one forward over the block's masked slots (after everything committed) drafts every masked token;
               a slot's confidence is the probability of its first draft token. Slots above `slot_threshold`
@@ -9,23 +9,24 @@ tokens. Inside a block every iteration runs:
 2. **verify** one causal forward over the chosen drafts in position order gives every drafted token its
               autoregressive probability. The leading chosen slots whose tokens all pass `token_threshold` (a
               slot's first token always passes) are committed with the K/V of this very forward.
-3. **infill** the other chosen slots are completed in parallel, in one forward per round, each attending only
-              to the committed sequence and to itself. A round accepts the drafts that pass and then one token
-              of the model's own (so every round advances), and redrafts the rest from the same forward.
-              Accepted tokens enter the sequence in the next round's forward, in their slot's own group, so
-              each is computed once.
-4. **commit** finished slots are appended to the sequence and the KV cache in commit order with their own
-              position ids; their K/V are computed once, at the start of the next forward.
+3. **infill** the other chosen slots are completed, each attending only to the committed sequence and to itself.
+              How depends on `infill_mode`:
+              - `"fast"` (default): every verify or infill forward keeps the passing drafts *and* the model's own
+                token at the first rejected draft, and redrafts the rest from that same forward (from its
+                autoregressive predictions, or with `fused_redraft=True` from `[MASK]` queries added to it), so no
+                forward is spent re-checking drafts in a context that already rejected them. One forward a round.
+              - `"reference"`: the rule of the authors' released decoder. Only when no leading slot was accepted
+                are the chosen slots infilled (otherwise they return to `[MASK]`); a round is two forwards: the
+                unaccepted positions are redrafted as `[MASK]` queries, then checked causally, and the first
+                unaccepted position is accepted with its masked-diffusion draft without a check.
+4. **commit** finished slots join the sequence and the KV cache in commit order with their own position ids.
 
-Every forward is `[pending tokens | queries]` after the cache: pending tokens (finished but not yet in the cache)
-are kept, the queries' K/V are cropped away again. Each stored token remembers what it attended to (a prefix of
-the sequence and its own slot), so `use_cache=False` can recompute every forward from scratch with exactly the
-same attention and must return exactly the same tokens.
-
-Batches: each row's decisions are a generator (`SlotDecoder.steps`) that yields its next request; `execute` runs
-the requests of all rows as one batched forward over one `DynamicCache`. Rows of different lengths leave holes in
-the shared cache, hidden by a per-row storage rank of every cache column; finished rows leave the batch. The host
-is consulted once per row and step, for the decisions that shape the next request (chosen slots, accepted counts).
+The code is layered: pure decision functions on tensors (`choose_slots`, `accept_and_correct`, ...), a passive
+record of what one row has stored (`StoredSequence`), a per-row generator of model requests (`SlotDecoder`) and a
+batched executor (`execute`) that runs the requests of all rows as one forward over one `DynamicCache`. Each stored
+token remembers what it attends to (a prefix of its row's sequence, its own group, and for `[MASK]` queries the
+group they draft for), so `use_cache=False` recomputes every forward from scratch with the same attention and
+must give the same tokens.
 """
 
 import copy
@@ -34,22 +35,78 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache, GenerationConfig, MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation import logits_process as lp
 from transformers.utils import ModelOutput
 
-DECODING_FIELDS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
+# Decoding parameters and their defaults. `finetune.convert` writes them into a converted model's generation config,
+# which is where `generate()` reads them from (and where a call's keyword arguments override them).
+DECODING_DEFAULTS = {
+    "slot_size": 8,
+    "slot_threshold": 0.8,
+    "token_threshold": 0.3,
+    "block_length": 32,
+    "infill_mode": "fast",
+    "fused_redraft": False,
+}
+DECODING_FIELDS = tuple(DECODING_DEFAULTS)
+INFILL_MODES = ("fast", "reference")
 NEVER = 2**62  # storage rank of cache holes and padding: no token's prefix reaches it
+NO_GROUP = -3  # the parent group of tokens that draft for no slot
+
+# Generation options that slot decoding cannot apply, with the values that leave them off.
+REFUSED_OPTIONS = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "diversity_penalty": (None, 0.0),
+    "length_penalty": (None, 1.0),
+    "early_stopping": (None, False),
+    "penalty_alpha": (None, 0.0),
+    "constraints": (None,),
+    "force_words_ids": (None,),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+    "dola_layers": (None,),
+    "encoder_repetition_penalty": (None, 1.0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "prompt_lookup_num_tokens": (None,),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "token_healing": (None, False),
+    "use_mtp": (None, False),
+    "low_memory": (None, False),
+    "cache_implementation": (None, "dynamic"),
+}
+# Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
+CONTEXT_FREE = (
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+    lp.TopHLogitsWarper,
+    lp.SuppressTokensLogitsProcessor,
+    lp.InfNanRemoveLogitsProcessor,
+    lp.LogitNormalization,
+)
 
 
 @dataclass
 class RefusionGenerateOutput(ModelOutput):
-    """`sequences` (prompt + answer), the number of model calls and the answer tokens committed per call."""
+    """`sequences` (prompt + answer), the model calls, answer tokens committed per call, and the authors' figure:
+    the mean over plan steps of (slot_size x slots committed) / forwards of the step."""
 
     sequences: torch.LongTensor | None = None
     num_forward_passes: int | None = None
     tokens_per_forward: float | None = None
+    step_tokens_per_forward: float | None = None
 
 
-@dataclass
+# ---- settings: one place that reads and validates them -------------------------------------------------------------
+@dataclass(frozen=True)
 class DecodingSettings:
     """Everything `generate` decides before decoding, validated."""
 
@@ -57,50 +114,65 @@ class DecodingSettings:
     slot_threshold: float
     token_threshold: float
     block_length: int
+    infill_mode: str
+    fused_redraft: bool
     max_new_tokens: int
     mask_token_id: int
-    eos_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
     pad_token_id: int
     do_sample: bool
-    temperature: float
-    top_k: int
-    top_p: float
     use_cache: bool
 
 
-def resolve_settings(
-    model, generation_config: GenerationConfig | None, prompt_length: int, kwargs: dict
-) -> tuple[DecodingSettings, GenerationConfig]:
-    """Merge the model's defaults, `generation_config` and `kwargs` (which win) into validated decoding settings;
-    also return the merged generation config."""
-    explicit = {name: kwargs[name] for name in DECODING_FIELDS if kwargs.get(name) is not None}
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    unused = config.update(**kwargs)
-    for name, value in unused.items():
-        if name not in DECODING_FIELDS and name != "mask_token_id":
-            raise ValueError(f"generate() got an argument ReFusion does not use: {name}={value!r}.")
-    decoding = {name: explicit.get(name, getattr(config, name, None)) for name in DECODING_FIELDS}
-    for name, value in decoding.items():
-        if value is None:
-            decoding[name] = getattr(model.config, name)
+def check_decoding(given: dict, adapt_block_length: bool = False) -> dict:
+    """The decoding parameters in `given`, missing (None) ones from `DECODING_DEFAULTS`, validated. With
+    `adapt_block_length`, a block length that is not a multiple of the slot size is rounded up to one."""
+    decoding = {name: DECODING_DEFAULTS[name] if given.get(name) is None else given[name] for name in DECODING_FIELDS}
     slot_size, block_length = decoding["slot_size"], decoding["block_length"]
-    if not isinstance(slot_size, int) or slot_size < 1:
+    if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size < 1:
         raise ValueError(f"slot_size must be an integer >= 1, got {slot_size!r}.")
-    if "block_length" not in explicit and block_length % slot_size:
-        block_length = -(-block_length // slot_size) * slot_size  # adapt the default to whole slots
+    if adapt_block_length and isinstance(block_length, int) and block_length % slot_size:
+        decoding["block_length"] = block_length = -(-block_length // slot_size) * slot_size
     if not isinstance(block_length, int) or block_length < 1 or block_length % slot_size:
         raise ValueError(f"block_length ({block_length}) must be a positive multiple of slot_size ({slot_size}).")
     for name in ("slot_threshold", "token_threshold"):
         if not 0.0 <= decoding[name] <= 1.0:
             raise ValueError(f"{name} must lie in [0, 1], got {decoding[name]}.")
+    if decoding["infill_mode"] not in INFILL_MODES:
+        raise ValueError(f"infill_mode must be one of {INFILL_MODES}, got {decoding['infill_mode']!r}.")
+    if not isinstance(decoding["fused_redraft"], bool):
+        raise ValueError(f"fused_redraft must be True or False, got {decoding['fused_redraft']!r}.")
+    if decoding["fused_redraft"] and decoding["infill_mode"] == "reference":
+        raise ValueError("fused_redraft applies to infill_mode='fast'; the reference rule redrafts in its own forward.")
+    return decoding
+
+
+def resolve_settings(
+    model, generation_config: GenerationConfig | None, prompt_length: int, kwargs: dict
+) -> tuple[DecodingSettings, GenerationConfig]:
+    """Merge `generation_config` (the model's by default) and `kwargs` (which win) into validated decoding settings;
+    also return the merged generation config. Raises `ValueError` naming any option that cannot apply."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    kwargs = {name: value for name, value in kwargs.items() if not (name in DECODING_FIELDS and value is None)}
+    unused = config.update(**kwargs)
+    for name, value in unused.items():
+        if name not in DECODING_FIELDS and name != "mask_token_id":
+            raise ValueError(f"generate() got an argument ReFusion decoding does not use: {name}={value!r}.")
+    for name, neutral in REFUSED_OPTIONS.items():
+        value = getattr(config, name, None)
+        if value not in neutral:
+            raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}.")
+
+    given = {name: unused.get(name, getattr(config, name, None)) for name in DECODING_FIELDS}
+    decoding = check_decoding(given, adapt_block_length=kwargs.get("block_length") is None)
 
     mask_token_id = kwargs.get("mask_token_id", getattr(config, "mask_token_id", None))
-    mask_token_id = mask_token_id if mask_token_id is not None else model.config.mask_token_id
+    mask_token_id = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
     if mask_token_id is None:
         raise ValueError("The model has no mask_token_id; convert it with finetune.convert first.")
     eos = config.eos_token_id
-    eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_token_ids or [None])[0]
+    eos_token_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_token_ids or (None,))[0]
     if pad_token_id is None:
         raise ValueError("generate() needs a pad_token_id or an eos_token_id to fill the answer after it ends.")
     if mask_token_id in eos_token_ids or mask_token_id == pad_token_id:
@@ -108,164 +180,461 @@ def resolve_settings(
 
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
-        max_new_tokens = config.max_length - prompt_length
+        max_new_tokens = (config.max_length if config.max_length is not None else 20) - prompt_length
     if max_new_tokens < 1:
         raise ValueError(
             f"Nothing to generate: max_new_tokens={max_new_tokens} (max_length={config.max_length}, "
             f"prompt length {prompt_length}). Pass max_new_tokens >= 1."
         )
-    if config.num_beams not in (None, 1):
-        raise ValueError("ReFusion decoding does not support beam search (num_beams > 1).")
     do_sample = bool(config.do_sample)
-    temperature = 1.0 if config.temperature is None else float(config.temperature)
-    top_k = int(config.top_k or 0)
-    top_p = 1.0 if config.top_p is None else float(config.top_p)
-    if do_sample and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}.")
-    if not 0.0 < top_p <= 1.0 or top_k < 0:
-        raise ValueError(f"top_p must lie in (0, 1] and top_k be >= 0, got top_p={top_p}, top_k={top_k}.")
+    if do_sample and config.temperature is not None and config.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}.")
+    if config.top_p is not None and not 0.0 < config.top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {config.top_p}.")
+    if config.top_k is not None and config.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {config.top_k}.")
     settings = DecodingSettings(
-        slot_size=slot_size,
+        slot_size=decoding["slot_size"],
         slot_threshold=float(decoding["slot_threshold"]),
         token_threshold=float(decoding["token_threshold"]),
-        block_length=block_length,
+        block_length=decoding["block_length"],
+        infill_mode=decoding["infill_mode"],
+        fused_redraft=decoding["fused_redraft"],
         max_new_tokens=int(max_new_tokens),
         mask_token_id=int(mask_token_id),
         eos_token_ids=eos_token_ids,
         pad_token_id=int(pad_token_id),
         do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        use_cache=bool(config.use_cache),
+        use_cache=config.use_cache is not False,  # None (unset) means the cache is used, as in generate()
     )
     return settings, config
 
 
+def build_logits_processors(
+    config: GenerationConfig, settings: DecodingSettings, prompt_length: int, device, extra=None
+) -> lp.LogitsProcessorList:
+    """transformers' processors for the options `config` sets, as `generate()` orders them, for one prompt of
+    `prompt_length` tokens; `extra` (the caller's `logits_processor`) is appended. Each processor sees, for a
+    drafted position, the prompt and the answer before that position as far as it is known."""
+    eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=device)
+    max_length = prompt_length + settings.max_new_tokens
+    processors = lp.LogitsProcessorList()
+    if config.sequence_bias is not None:
+        processors.append(lp.SequenceBiasLogitsProcessor(sequence_bias=config.sequence_bias))
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        processors.append(lp.RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
+    if config.no_repeat_ngram_size:
+        processors.append(lp.NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(lp.NoBadWordsLogitsProcessor(config.bad_words_ids, eos))
+    if config.min_length and eos.numel():
+        processors.append(lp.MinLengthLogitsProcessor(config.min_length, eos, device=device))
+    if config.min_new_tokens and eos.numel():
+        processors.append(lp.MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device))
+    if config.forced_bos_token_id is not None:
+        processors.append(lp.ForcedBOSTokenLogitsProcessor(config.forced_bos_token_id))
+    if config.forced_eos_token_id is not None:
+        processors.append(lp.ForcedEOSTokenLogitsProcessor(max_length, config.forced_eos_token_id, device=device))
+    if config.remove_invalid_values:
+        processors.append(lp.InfNanRemoveLogitsProcessor())
+    if config.exponential_decay_length_penalty is not None and eos.numel():
+        processors.append(lp.ExponentialDecayLengthPenalty(config.exponential_decay_length_penalty, eos, prompt_length))
+    if config.suppress_tokens is not None:
+        processors.append(lp.SuppressTokensLogitsProcessor(config.suppress_tokens, device=device))
+    if config.begin_suppress_tokens is not None:
+        processors.append(lp.SuppressTokensAtBeginLogitsProcessor(config.begin_suppress_tokens, prompt_length, device))
+    if settings.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(lp.TemperatureLogitsWarper(config.temperature))
+        if config.top_h is not None:
+            processors.append(lp.TopHLogitsWarper(top_h=config.top_h))
+        if config.top_k:
+            processors.append(lp.TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(lp.TopPLogitsWarper(top_p=config.top_p))
+        if config.min_p is not None:
+            processors.append(lp.MinPLogitsWarper(min_p=config.min_p))
+        if config.typical_p is not None and config.typical_p < 1.0:
+            processors.append(lp.TypicalLogitsWarper(mass=config.typical_p))
+        if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
+            processors.append(lp.EpsilonLogitsWarper(epsilon=config.epsilon_cutoff))
+        if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
+            processors.append(lp.EtaLogitsWarper(epsilon=config.eta_cutoff, device=device))
+    if config.renormalize_logits:
+        processors.append(lp.LogitNormalization())
+    processors.extend(extra or [])
+    return processors
+
+
+# ---- pure decisions: plain tensors in, plain tensors out -----------------------------------------------------------
 def passes(probabilities: torch.Tensor, threshold: float) -> torch.Tensor:
     """A probability passes a threshold when strictly above it; threshold 0 lets everything through."""
     return probabilities > threshold if threshold > 0 else torch.ones_like(probabilities, dtype=torch.bool)
 
 
-def token_distribution(logits: torch.Tensor, settings: DecodingSettings) -> torch.Tensor:
-    """Probabilities that drafts are drawn from and checked against; the mask token is never proposed."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
-    logits[..., settings.mask_token_id] = float("-inf")
-    if not settings.do_sample:
-        return logits.softmax(dim=-1)
-    logits = logits / settings.temperature
-    if settings.top_k:
-        kth = logits.topk(min(settings.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if settings.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= settings.top_p  # keep the top token always
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits.softmax(dim=-1)
-
-
-def pick_tokens(probabilities: torch.Tensor, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy or sampled token per row and its probability; sampling uses the exponential trick (no host sync)."""
+def pick_tokens(
+    probabilities: torch.Tensor, mask_token_id: int, do_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or sampled token of every row, never the mask token, and its probability. Sampling uses the
+    exponential trick (no host sync)."""
     if do_sample:
-        tokens = (probabilities / torch.empty_like(probabilities).exponential_(1)).argmax(dim=-1)
+        weights = probabilities.index_fill(-1, torch.tensor([mask_token_id], device=probabilities.device), 0.0)
+        tokens = (weights / torch.empty_like(weights).exponential_(1)).argmax(dim=-1)
     else:
-        tokens = probabilities.argmax(dim=-1)
+        best = probabilities.topk(2, dim=-1).indices
+        tokens = torch.where(best[..., 0] == mask_token_id, best[..., 1], best[..., 0])
     return tokens, probabilities.gather(-1, tokens[..., None])[..., 0]
 
 
+def choose_slots(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Slots whose confidence is above `threshold`, or else the single most confident one."""
+    chosen = passes(confidence, threshold)
+    best = torch.arange(confidence.shape[0], device=confidence.device) == confidence.argmax()
+    return chosen | (best & ~chosen.any())
+
+
+def accepted_lengths(passed: torch.Tensor) -> torch.Tensor:
+    """Length of each row's leading run of passing tokens."""
+    return passed.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def eos_offsets(tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Offset of the first EOS among the first `counts` tokens of each slot (`slot_size` when there is none)."""
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    is_eos = torch.isin(tokens, eos) & (offsets < counts[:, None])
+    return torch.where(is_eos, offsets, tokens.shape[1]).min(dim=1).values
+
+
+def leading_complete(counts: list[int], eos: list[int], slot_size: int) -> int:
+    """How many leading slots are complete: accepted in full, or up to an EOS (which ends them and the answer)."""
+    leading = 0
+    for count, offset in zip(counts, eos):
+        if offset < count:
+            return leading + 1
+        if count < slot_size:
+            break
+        leading += 1
+    return leading
+
+
+def accept_and_correct(
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    ar_probability: torch.Tensor,
+    ar_tokens: torch.Tensor,
+    redrafts: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fast verification of the drafts after the first `counts` (already accepted) tokens of each slot.
+
+    `ar_probability[:, i]` / `ar_tokens[:, i]` are the probability of `tokens[:, i]` and the model's own token at
+    position i, both from the logits of position i - 1. The passing drafts are kept, the model's token replaces the
+    first rejected one, and the positions after it take `redrafts`. Returns the new tokens and accepted counts."""
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    first_rejected = accepted_lengths((offsets < counts[:, None]) | passes(ar_probability, threshold))
+    corrected = torch.where(offsets == first_rejected[:, None], ar_tokens, redrafts)
+    tokens = torch.where(offsets < first_rejected[:, None], tokens, corrected)
+    return tokens, (first_rejected + 1).clamp(max=tokens.shape[1])
+
+
+def accept_reference(counts: torch.Tensor, ar_probability: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The authors' rule for one infill round: the first unaccepted position is accepted unchecked, the positions
+    after it while their probability (from the previous position's logits) passes. Returns the new counts."""
+    offsets = torch.arange(ar_probability.shape[1], device=ar_probability.device)
+    return accepted_lengths((offsets <= counts[:, None]) | passes(ar_probability, threshold))
+
+
+# ---- the passive record of one row ---------------------------------------------------------------------------------
 @dataclass
-class Chunk:
-    """Tokens stored together. Each sees the tokens of its row stored before `prefix` (before itself when
-    `prefix` is None) plus the earlier tokens of its own group."""
+class Queries:
+    """Tokens of one forward after what is stored. Each token sees the stored tokens ranked below its `prefix`, the
+    earlier tokens of its own group, and those of its `parent` group (a `[MASK]` query, the slot it drafts for)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
+    prefixes: torch.Tensor
     groups: torch.Tensor
-    prefix: int | None = None
-    start: int = 0  # storage index of the first token
+    parents: torch.Tensor
+
+    @classmethod
+    def causal(cls, ids: torch.Tensor, positions: torch.Tensor, start: int, group: int) -> "Queries":
+        """A run in which each token sees everything before it."""
+        prefixes = start + torch.arange(ids.shape[0], device=ids.device)
+        return cls(ids, positions, prefixes, torch.full_like(ids, group), torch.full_like(ids, NO_GROUP))
+
+    @classmethod
+    def cat(cls, parts: list["Queries"]) -> "Queries":
+        return cls(*(torch.cat([getattr(part, name) for part in parts]) for name in cls.__dataclass_fields__))
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def prefixes(self) -> torch.Tensor:
-        """Per token: how many of the row's stored tokens it sees in full."""
-        if self.prefix is None:
-            return self.start + torch.arange(len(self), device=self.ids.device)
-        return torch.full_like(self.ids, self.prefix)
+    def head(self, count: int) -> "Queries":
+        return Queries(*(getattr(self, name)[:count] for name in self.__dataclass_fields__))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """The new tokens of one row for one forward: `num_pending` tokens that stay in the sequence, then queries."""
+    """One row's new tokens for one forward: `len - num_queries` pending stored tokens, then the queries.
+    `keep_previous`: how many leading queries of the row's previous request stay in the sequence."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     ranks: torch.Tensor  # storage index of each token in its row
     prefixes: torch.Tensor
     groups: torch.Tensor
-    num_pending: int
+    parents: torch.Tensor
+    num_queries: int
+    keep_previous: int
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
 
-class SlotDecoder:
-    """Plan-and-infill decisions for one prompt, written as a generator of model requests.
+class StoredSequence:
+    """What one row has stored, in storage order, and how far the KV cache holds it."""
 
-    `steps()` yields a `Request` per forward and receives the logits of its queries; the executor runs the
-    requests of many rows as one batched forward. The sequence holds the prompt and the committed slots in commit
-    order; with a cache their K/V are computed once, as pending tokens of the next request.
-    """
+    def __init__(self, device):
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        self.ids = self.positions = self.prefixes = self.groups = empty
+        self.computed = 0  # leading tokens whose K/V are in the cache
+        self.kept = 0  # queries of the last request that stayed
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def append(self, queries: Queries, computed: bool = False) -> None:
+        """Store tokens (whose K/V the next forward computes, unless `computed`)."""
+        for name in ("ids", "positions", "prefixes", "groups"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(queries, name)]))
+        if computed:
+            self.computed = len(self)
+
+    def request(self, queries: Queries, recompute: bool) -> Request:
+        """The request for one forward: the pending tokens (all stored tokens when `recompute`) then `queries`."""
+        start = 0 if recompute else self.computed
+        device = self.ids.device
+        request = Request(
+            ids=torch.cat([self.ids[start:], queries.ids]),
+            positions=torch.cat([self.positions[start:], queries.positions]),
+            ranks=torch.arange(start, len(self) + len(queries), device=device),
+            prefixes=torch.cat([self.prefixes[start:], queries.prefixes]),
+            groups=torch.cat([self.groups[start:], queries.groups]),
+            parents=torch.cat([torch.full_like(self.ids[start:], NO_GROUP), queries.parents]),
+            num_queries=len(queries),
+            keep_previous=self.kept,
+        )
+        self.computed, self.kept = len(self), 0
+        return request
+
+    def keep(self, queries: Queries) -> None:
+        """The leading `queries` of the request just run stay in the sequence with the K/V it computed."""
+        self.append(queries, computed=True)
+        self.kept = len(queries)
+
+
+@dataclass
+class Infilling:
+    """Chosen slots being completed: tokens (accepted prefix, then drafts), accepted counts, how many of each are
+    stored, their attention groups, and the sequence length they all see."""
+
+    slots: list[int]
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    stored: torch.Tensor
+    groups: torch.Tensor
+    prefix: int
+
+    def select(self, rows: list[int]) -> "Infilling":
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+        return Infilling(
+            [self.slots[row] for row in rows],
+            self.tokens[index],
+            self.counts[index],
+            self.stored[index],
+            self.groups[index],
+            self.prefix,
+        )
+
+
+class InOrderWatcher:
+    """Streams, and applies stopping criteria to, the in-order prefix of one answer as it grows. ReFusion commits
+    slots out of reading order; only the contiguous prefix is final text."""
+
+    def __init__(self, prompt: torch.Tensor, streamer=None, criteria=None):
+        self.prompt, self.streamer, self.criteria, self.emitted = prompt, streamer, criteria, 0
+        if streamer is not None:
+            streamer.put(prompt[None].cpu())
+
+    def advance(self, answer: torch.Tensor, frontier: int) -> int | None:
+        """Take the answer final up to `frontier`; return where a criterion ends it, if one fires."""
+        if frontier <= self.emitted:
+            return None
+        stop = None
+        if self.criteria:
+            for length in range(self.emitted + 1, frontier + 1):
+                if self.criteria(torch.cat([self.prompt, answer[:length]])[None], None).any():
+                    stop = frontier = length
+                    break
+        if self.streamer is not None:
+            self.streamer.put(answer[self.emitted : frontier].cpu())
+        self.emitted = frontier
+        return stop
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+
+# ---- one row: a generator of model requests ------------------------------------------------------------------------
+class SlotDecoder:
+    """Plan-and-infill decisions for one prompt. `steps()` yields a `Request` per forward and receives the logits of
+    its queries; the executor runs the requests of many rows as one batched forward."""
 
     MASKED, INFILLING, DONE = range(3)
 
-    def __init__(self, prompt: torch.LongTensor, settings: DecodingSettings):
+    def __init__(self, prompt: torch.LongTensor, settings: DecodingSettings, processors=None, watcher=None):
         self.settings, self.device = settings, prompt.device
-        self.prompt_length = prompt.shape[0]
-        self.num_slots = -(-settings.max_new_tokens // settings.slot_size)
-        self.offsets = torch.arange(settings.slot_size, device=self.device)
-        self.answer = torch.full((self.num_slots * settings.slot_size,), settings.mask_token_id, device=self.device)
+        self.processors, self.watcher = processors or lp.LogitsProcessorList(), watcher
+        self.context_free = all(isinstance(processor, CONTEXT_FREE) for processor in self.processors)
+        self.prompt = prompt
+        size = settings.slot_size
+        self.num_slots = -(-settings.max_new_tokens // size)
+        self.offsets = torch.arange(size, device=self.device)
+        self.answer = torch.full((self.num_slots * size,), settings.mask_token_id, device=self.device)
         self.drafts = self.answer.clone()
         self.eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=self.device)
         self.status = [self.MASKED] * self.num_slots
         self.end = self.answer.shape[0]  # answer length; moves to just after the first committed EOS
-        self.recompute = not settings.use_cache  # requests then carry the whole sequence
-        self.stored: list[Chunk] = []  # the sequence, in storage order
-        self.pending: list[Chunk] = []  # its tail whose K/V the next request computes
-        self.length = 0
+        self.record = StoredSequence(self.device)
         self.next_group = 0
-        self.keep = 0  # query tokens of the last request to keep in the sequence
-        self._store(self._chunk(prompt, torch.arange(self.prompt_length, device=self.device)))
+        self.forwards = self.committed_slots = 0
+        self.step_ratios: list[float] = []  # per plan step: slot_size x committed slots / forwards (authors' TPF)
+        prompt_positions = torch.arange(prompt.shape[0], device=self.device)
+        self.record.append(Queries.causal(prompt, prompt_positions, 0, self._new_group()))
 
-    # ---- the decoding loop ---------------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------------------------
     def steps(self):
         """Decode block by block, yielding one `Request` per forward and receiving its queries' logits."""
         slots_per_block = self.settings.block_length // self.settings.slot_size
+        reference = self.settings.infill_mode == "reference"
         for first in range(0, self.num_slots, slots_per_block):
             block = range(first, min(first + slots_per_block, self.num_slots))
             while masked := [slot for slot in block if self.status[slot] == self.MASKED]:
+                forwards, committed = self.forwards, self.committed_slots
                 chosen = yield from self.plan(masked)
                 infilling = yield from self.verify(chosen)
-                yield from self.infill(infilling)
+                if infilling is not None:
+                    yield from (self.infill_reference(infilling) if reference else self.infill_fast(infilling))
+                committed = self.committed_slots - committed
+                self.step_ratios.append(self.settings.slot_size * committed / (self.forwards - forwards))
+        return self.record.kept  # queries of the last request that stay in the sequence
 
+    def plan(self, masked: list[int]):
+        """Draft every token of the `masked` slots in one forward; return the slots chosen for decoding."""
+        index = self._slot_index(masked).flatten()
+        masks = torch.full_like(index, self.settings.mask_token_id)
+        logits = yield from self._forward(self._causal(masks, index))
+        tokens, probabilities = self._pick(logits, index)
+        self.drafts[index] = tokens
+        chosen = choose_slots(probabilities.view(len(masked), -1)[:, 0], self.settings.slot_threshold)
+        return [slot for slot, keep in zip(masked, chosen.tolist()) if keep]
+
+    def verify(self, chosen: list[int]):
+        """Check the chosen drafts as one causal run; commit the leading complete slots with this forward's K/V.
+        Return the other chosen slots to infill (None when there are none)."""
+        index, size = self._slot_index(chosen), self.settings.slot_size
+        tokens = self.drafts[index]
+        counts = torch.ones(len(chosen), dtype=torch.long, device=self.device)
+        if size == 1:  # nothing to check: a slot's first token always passes
+            eos = eos_offsets(tokens, counts, self.eos).tolist()
+            leading = leading_complete(counts.tolist(), eos, size)
+            self._commit_run(chosen[:leading], tokens[:leading], eos[:leading], computed=False)
+            return None
+        logits = yield from self._forward(self._causal(tokens.flatten(), index.flatten()))
+        scored = self.offsets.expand_as(tokens) > 0  # the logits at offset i score offset i + 1
+        rows = logits.view(len(chosen), size, -1)[:, :-1].reshape(-1, logits.shape[-1])
+        ar_tokens, ar_probability = self._ar_check(rows, tokens, index, scored)
+        accepted = accepted_lengths(~scored | passes(ar_probability, self.settings.token_threshold))
+        eos = eos_offsets(tokens, accepted, self.eos)
+        accepted_list, eos_list = torch.stack([accepted, eos]).tolist()
+        leading = leading_complete(accepted_list, eos_list, size)
+        self._commit_run(chosen[:leading], tokens[:leading], eos_list[:leading], computed=True)
+        rest, groups = slice(leading, None), self._new_groups(len(chosen) - leading)
+        if self.settings.infill_mode == "reference":
+            if leading:  # the other chosen slots return to [MASK] and are planned again
+                return None
+            return self._settle(Infilling(chosen, tokens, accepted, counts * 0, groups, len(self.record)))
+        redrafts = tokens[rest] if self.settings.fused_redraft else ar_tokens[rest]  # fused: keep the plan's drafts
+        new_tokens, new_counts = accept_and_correct(
+            tokens[rest], counts[rest], ar_probability[rest], ar_tokens[rest], redrafts, self.settings.token_threshold
+        )
+        return self._settle(Infilling(chosen[rest], new_tokens, new_counts, counts[rest] * 0, groups, len(self.record)))
+
+    def infill_fast(self, state: Infilling):
+        """Complete the slots in parallel, one forward a round: `[fresh accepted tokens | MASK queries (fused) |
+        drafts]`. Fresh tokens stay in the sequence (in their slot's group); the drafts are checked, the model's
+        own token replaces the first rejected one, and the rest are redrafted from the same forward."""
+        fused = self.settings.fused_redraft
+        while state is not None:
+            index, fresh, drafting = self._infill_layout(state)
+            parts = [self._grouped(state, index, fresh, state.tokens, state.groups)]
+            if fused:
+                mask_groups = self._new_groups(len(state.slots))
+                masks = torch.full_like(state.tokens, self.settings.mask_token_id)
+                parts.append(self._grouped(state, index, drafting, masks, mask_groups, parents=state.groups))
+            parts.append(self._grouped(state, index, drafting, state.tokens, state.groups))
+            logits = yield from self._forward(Queries.cat(parts))
+            self.record.keep(parts[0])
+            num_fresh, num_drafting = len(parts[0]), int(drafting.sum())
+            row_of = torch.zeros_like(index)
+            row_of[fresh] = torch.arange(num_fresh, device=self.device)
+            row_of[drafting] = len(logits) - num_drafting + torch.arange(num_drafting, device=self.device)
+            source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
+            ar_tokens, ar_probability = self._ar_check(logits[source[drafting]], state.tokens, index, drafting)
+            redrafts = ar_tokens
+            if fused:
+                mask_rows = logits[num_fresh : num_fresh + num_drafting]
+                redrafts = state.tokens.clone()
+                redrafts[drafting] = self._pick(mask_rows, index[drafting], state.tokens, drafting)[0]
+            tokens, counts = accept_and_correct(
+                state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold
+            )
+            state.stored, state.tokens, state.counts = state.counts, tokens, counts
+            state = self._settle(state)
+
+    def infill_reference(self, state: Infilling):
+        """The authors' infill: rounds of two forwards. The unaccepted positions are redrafted by `[MASK]` queries
+        (after the slot's fresh accepted tokens, which stay in the sequence), then checked causally; the first
+        unaccepted position is accepted unchecked."""
+        while state is not None:
+            index, fresh, drafting = self._infill_layout(state)
+            masks = torch.full_like(state.tokens, self.settings.mask_token_id)
+            mask_groups = self._new_groups(len(state.slots))
+            kept = self._grouped(state, index, fresh, state.tokens, state.groups)
+            queries = Queries.cat([kept, self._grouped(state, index, drafting, masks, mask_groups, state.groups)])
+            logits = yield from self._forward(queries)
+            self.record.keep(kept)
+            tokens = state.tokens.clone()
+            tokens[drafting] = self._pick(logits[len(kept) :], index[drafting], state.tokens, drafting)[0]
+            logits = yield from self._forward(self._grouped(state, index, drafting, tokens, state.groups))
+            row_of = torch.zeros_like(index)
+            row_of[drafting] = torch.arange(len(logits), device=self.device)
+            scored = drafting & (self.offsets > state.counts[:, None])  # scored by a checked position before it
+            source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
+            _, ar_probability = self._ar_check(logits[source[scored]], tokens, index, scored)
+            state.stored, state.tokens = state.counts, tokens
+            state.counts = accept_reference(state.counts, ar_probability, self.settings.token_threshold)
+            state = self._settle(state)
+
+    # ---- results -----------------------------------------------------------------------------------------------
     def frontier(self) -> int:
         """Length of the answer prefix that is final in reading order (what can be streamed)."""
         undecided = next((slot for slot, status in enumerate(self.status) if status != self.DONE), self.num_slots)
-        return min(undecided * self.settings.slot_size, self.end, self.settings.max_new_tokens)
+        return min(undecided * self.settings.slot_size, self.answer_length())
 
     def answer_length(self) -> int:
         return min(self.end, self.settings.max_new_tokens)
-
-    def finished(self) -> bool:
-        return self.frontier() >= self.answer_length()
-
-    def stop_at(self, length: int) -> None:
-        """End the answer after `length` tokens (a stopping criterion fired there); later slots are dropped."""
-        self.end = min(self.end, length)
-        for slot in range(self.num_slots):
-            if slot * self.settings.slot_size >= self.end:
-                self.status[slot] = self.DONE
 
     def result(self) -> torch.LongTensor:
         """The answer, `max_new_tokens` long, with `pad_token_id` after its end."""
@@ -273,309 +642,228 @@ class SlotDecoder:
         after_end = torch.arange(answer.shape[0], device=self.device) >= self.answer_length()
         return answer.masked_fill(after_end, self.settings.pad_token_id)
 
-    def plan(self, masked: list[int]):
-        """Draft every token of the `masked` slots in one forward; return the slots chosen for decoding."""
-        index = self._slot_index(masked)
-        masks = torch.full_like(index, self.settings.mask_token_id)
-        logits = yield from self._forward(self._chunk(masks.flatten(), index.flatten() + self.prompt_length))
-        tokens, probabilities = pick_tokens(token_distribution(logits, self.settings), self.settings.do_sample)
-        self.drafts[index.flatten()] = tokens
-        confidence = probabilities.view(len(masked), -1)[:, 0]
-        chosen = passes(confidence, self.settings.slot_threshold)
-        chosen |= (torch.arange(len(masked), device=self.device) == confidence.argmax()) & ~chosen.any()
-        return [slot for slot, keep in zip(masked, chosen.tolist()) if keep]
+    # ---- scoring -----------------------------------------------------------------------------------------------
+    def _probabilities(self, rows, targets, slot_tokens=None, where=None):
+        """Token distributions of logit `rows` after the processors. `targets`: the answer index each row scores. A
+        processor that reads the tokens before a position sees the prompt, the committed answer and, with
+        `slot_tokens` (`[slots, size]`) and `where` (the positions the rows score, row-major), the slot's tokens."""
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        if self.processors and self.context_free:
+            rows = self.processors(self.prompt[None].expand(rows.shape[0], -1), rows)
+        elif self.processors:
+            context = self.answer.expand(rows.shape[0], -1).clone()
+            if slot_tokens is not None:
+                size = self.settings.slot_size
+                columns = (targets - targets % size)[:, None] + self.offsets
+                before = self.offsets < (targets % size)[:, None]
+                known = slot_tokens[where.nonzero()[:, 0]]
+                context.scatter_(1, columns, torch.where(before, known, context.gather(1, columns)))
+            scores = torch.empty_like(rows)
+            for target in targets.unique().tolist():
+                chosen = (targets == target).nonzero()[:, 0]
+                ids = torch.cat([self.prompt.expand(chosen.shape[0], -1), context[chosen, :target]], dim=1)
+                scores[chosen] = self.processors(ids, rows[chosen])
+            rows = scores
+        return rows.softmax(dim=-1)
 
-    def verify(self, chosen: list[int]):
-        """Check the chosen drafts as one causal run. Commit the leading fully accepted slots with this forward's
-        K/V; return the other chosen slots with the length of their accepted prefix."""
-        index = self._slot_index(chosen)
-        tokens = self.drafts[index]
+    def _pick(self, rows, targets, slot_tokens=None, where=None):
+        """A draft token for every logit row, and its probability."""
+        probabilities = self._probabilities(rows, targets, slot_tokens, where)
+        return pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
+
+    def _ar_check(self, rows, tokens, index, where):
+        """`rows[j]`: the logits scoring the j-th `where` position (row-major) of the slots' `tokens`. Returns the
+        model's own token at each position and the probability of `tokens` there (1 elsewhere)."""
+        probabilities = self._probabilities(rows, index[where], tokens, where)
+        own, _ = pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
+        ar_tokens = tokens.clone()
+        ar_tokens[where] = own
+        ar_probability = torch.ones(tokens.shape, dtype=probabilities.dtype, device=self.device)
+        ar_probability[where] = probabilities.gather(-1, tokens[where][:, None])[:, 0]
+        return ar_tokens, ar_probability
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------------
+    def _forward(self, queries: Queries):
+        """Yield the request for `queries` (after the pending tokens) and return the queries' logits."""
+        self.forwards += 1
+        logits = yield self.record.request(queries, recompute=not self.settings.use_cache)
+        return logits
+
+    def _settle(self, state: Infilling) -> Infilling | None:
+        """Apply accepted EOS tokens (the answer ends at the first; later slots are dropped) and commit the slots
+        that are complete; return the rest (None when none is left)."""
         size = self.settings.slot_size
-        if size == 1:  # nothing to verify: a slot's first token always passes
-            accepted = [1] * len(chosen)
-            eos_offsets = self._eos_offsets(tokens, torch.ones_like(index[:, 0])).tolist()
-            leading = self._leading(chosen, accepted, eos_offsets)
-            self._commit(chosen[:leading], tokens[:leading], index[:leading], None, accepted[:leading])
-            return {}
-        logits = yield from self._forward(self._chunk(tokens.flatten(), index.flatten() + self.prompt_length))
-        probabilities = token_distribution(logits, self.settings).view(len(chosen), size, -1)
-        ar_probability = probabilities[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-        first = torch.ones_like(tokens[:, :1], dtype=torch.bool)
-        passed = torch.cat([first, passes(ar_probability, self.settings.token_threshold)], dim=1)
-        accepted = passed.long().cumprod(dim=1).sum(dim=1)
-        accepted, eos_offsets = torch.stack([accepted, self._eos_offsets(tokens, accepted)]).tolist()
-        leading = self._leading(chosen, accepted, eos_offsets)
-        lengths = self._lengths(eos_offsets[:leading])
-        self.keep = sum(lengths)
-        self._commit(chosen[:leading], tokens[:leading], index[:leading], None, lengths, computed=True)
-        rest = zip(chosen[leading:], accepted[leading:], eos_offsets[leading:])
-        rest = {slot: min(count, eos + 1) for slot, count, eos in rest if self.status[slot] != self.DONE}
-        for slot in rest:
-            self.status[slot] = self.INFILLING
-        return rest
+        eos = eos_offsets(state.tokens, state.counts, self.eos)
+        counts, eos_list = torch.stack([state.counts, eos]).tolist()
+        for slot, offset in zip(state.slots, eos_list):
+            if offset < size:
+                self._stop_at(slot * size + offset + 1)
+        stored = state.stored.tolist()
+        rest = []
+        for row, slot in enumerate(state.slots):
+            if self.status[slot] == self.DONE:
+                continue
+            if counts[row] < size and eos_list[row] >= counts[row]:
+                self.status[slot] = self.INFILLING
+                rest.append(row)
+                continue
+            length = min(eos_list[row] + 1, size)
+            index = slot * size + self.offsets[:length]
+            tokens = state.tokens[row, :length]
+            self.answer[index] = tokens
+            self.status[slot] = self.DONE
+            self.committed_slots += 1
+            if length > stored[row]:  # the tokens not yet stored join the sequence in the slot's group
+                fresh = slice(stored[row], length)
+                group = int(state.groups[row])
+                self.record.append(self._in_group(tokens[fresh], index[fresh], state.prefix, group))
+        self._watch()
+        return state.select(rest) if rest else None
 
-    def infill(self, known: dict[int, int]):
-        """Complete the given slots (slot -> tokens already accepted) in parallel, each attending only to the
-        committed sequence and to itself; every round accepts the passing drafts plus one token of the model's.
+    def _commit_run(self, slots: list[int], tokens: torch.Tensor, eos: list[int], computed: bool) -> None:
+        """Commit the slots as one causal run (the verify run's leading slots), each up to its EOS (at offset
+        `eos[i]`, `slot_size` when none), with the K/V of the forward just run when `computed`."""
+        if not slots:
+            return
+        size = self.settings.slot_size
+        lengths = torch.tensor([min(offset + 1, size) for offset in eos], device=self.device)
+        keep = self.offsets < lengths[:, None]
+        index = self._slot_index(slots)
+        self.answer[index[keep]] = tokens[keep]
+        self.committed_slots += len(slots)
+        for slot, offset in zip(slots, eos):
+            self.status[slot] = self.DONE
+            if offset < size:
+                self._stop_at(slot * size + offset + 1)
+        run = self._causal(tokens[keep], index[keep])
+        self.record.keep(run) if computed else self.record.append(run)
+        self._watch()
 
-        A round's request holds each slot's newly accepted tokens (kept: they enter the sequence, in the slot's
-        own group) and then its remaining drafts (dropped again), so no accepted token is computed twice.
-        """
-        prefix, size = self.length, self.settings.slot_size
-        groups = dict(zip(known, self._new_groups(len(known)).tolist()))
-        stored = dict.fromkeys(known, 0)  # leading tokens of each slot already in the sequence
-        while known := {slot: count for slot, count in known.items() if self.status[slot] == self.INFILLING}:
-            slots = list(known)
-            index = self._slot_index(slots)
-            counts = torch.tensor(list(known.values()), device=self.device)[:, None]
-            fresh = (self.offsets >= torch.tensor([stored[slot] for slot in slots], device=self.device)[:, None]) & (
-                self.offsets < counts
-            )
-            drafting = self.offsets >= counts
-            tokens = self.drafts[index]  # accepted tokens, then the latest drafts
-            slot_groups = torch.tensor([groups[slot] for slot in slots], device=self.device)[:, None].expand_as(index)
-            query = Chunk(
-                torch.cat([tokens[fresh], tokens[drafting]]),
-                torch.cat([index[fresh], index[drafting]]) + self.prompt_length,
-                torch.cat([slot_groups[fresh], slot_groups[drafting]]),
-                prefix,
-            )
-            logits = yield from self._forward(query)
-            num_fresh = sum(count - stored[slot] for slot, count in known.items())
-            self.keep = num_fresh
-            self._store(
-                Chunk(query.ids[:num_fresh], query.positions[:num_fresh], query.groups[:num_fresh], prefix), True
-            )
-            stored.update(known)
-            # Query row of every (slot, offset) in this request; offset i is predicted from offset i - 1.
-            row_of = torch.zeros_like(index)
-            row_of[fresh] = torch.arange(num_fresh, device=self.device)
-            row_of[drafting] = num_fresh + torch.arange(len(query) - num_fresh, device=self.device)
-            source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)[drafting]
-            probabilities = token_distribution(logits[source], self.settings)
-            predicted = torch.zeros_like(tokens)
-            predicted[drafting], _ = pick_tokens(probabilities, self.settings.do_sample)
-            ar_probability = torch.ones_like(tokens, dtype=probabilities.dtype)
-            ar_probability[drafting] = probabilities.gather(-1, tokens[drafting][:, None])[:, 0]
-            passed = ~drafting | passes(ar_probability, self.settings.token_threshold)
-            first_failure = passed.long().cumprod(dim=1).sum(dim=1)  # the model's own token goes here
-            # Accepted tokens stay; from the first failure on, each position takes the model's prediction.
-            tokens = torch.where(self.offsets < first_failure[:, None], tokens, predicted)
-            self.drafts[index] = tokens
-            new_counts = (first_failure + 1).clamp(max=size)
-            new_counts, eos_offsets = torch.stack([new_counts, self._eos_offsets(tokens, new_counts)]).tolist()
-            finished = [
-                row for row in range(len(slots)) if new_counts[row] == size or eos_offsets[row] < new_counts[row]
-            ]
-            finished_slots = [slots[row] for row in finished]
-            self._end_at(finished_slots, [eos_offsets[row] for row in finished])
-            lengths = self._lengths([eos_offsets[row] for row in finished])
-            for slot, row, length in zip(finished_slots, finished, lengths):
-                self._finish_slot(slot, tokens[row], index[row], stored[slot], length, groups[slot], prefix)
-            known = dict(zip(slots, new_counts))
+    def _stop_at(self, length: int) -> None:
+        """End the answer after `length` tokens; the slots after it are dropped."""
+        self.end = min(self.end, length)
+        for slot in range(self.num_slots):
+            if slot * self.settings.slot_size >= self.end:
+                self.status[slot] = self.DONE
 
-    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        if self.watcher is not None and (stop := self.watcher.advance(self.answer, self.frontier())) is not None:
+            self._stop_at(stop)
+
+    def _infill_layout(self, state: Infilling):
+        index = self._slot_index(state.slots)
+        fresh = (self.offsets >= state.stored[:, None]) & (self.offsets < state.counts[:, None])
+        return index, fresh, self.offsets >= state.counts[:, None]
+
+    def _grouped(self, state, index, where, tokens, groups, parents=None) -> Queries:
+        """The `where` tokens of the infilling slots, each seeing the sequence before `state.prefix` and its group."""
+        ids = tokens[where]
+        group_of = groups[:, None].expand_as(index)[where]
+        parent_of = torch.full_like(ids, NO_GROUP) if parents is None else parents[:, None].expand_as(index)[where]
+        return Queries(ids, index[where] + self.prompt.shape[0], torch.full_like(ids, state.prefix), group_of,
+                       parent_of)  # fmt: skip
+
+    def _in_group(self, ids, index, prefix: int, group: int) -> Queries:
+        return Queries(ids, index + self.prompt.shape[0], torch.full_like(ids, prefix), torch.full_like(ids, group),
+                       torch.full_like(ids, NO_GROUP))  # fmt: skip
+
+    def _causal(self, ids: torch.Tensor, index: torch.Tensor) -> Queries:
+        return Queries.causal(ids, index + self.prompt.shape[0], len(self.record), self._new_group())
+
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """Answer indices of the tokens of `slots`, shape `[len(slots), slot_size]`."""
         return torch.tensor(slots, device=self.device)[:, None] * self.settings.slot_size + self.offsets
+
+    def _new_group(self) -> int:
+        self.next_group += 1
+        return self.next_group - 1
 
     def _new_groups(self, count: int) -> torch.Tensor:
         self.next_group += count
         return torch.arange(self.next_group - count, self.next_group, device=self.device)
 
-    def _chunk(self, ids: torch.Tensor, positions: torch.Tensor) -> Chunk:
-        """A causal chunk: each token sees everything stored before it."""
-        return Chunk(ids, positions, self._new_groups(1).expand(ids.shape[0]))
 
-    def _eos_offsets(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Offset of the first EOS among the first `counts` tokens of each slot (`slot_size` when none)."""
-        is_eos = torch.isin(tokens, self.eos) & (self.offsets < counts[:, None])
-        return torch.where(is_eos, self.offsets, self.settings.slot_size).min(dim=1).values
-
-    def _lengths(self, eos_offsets: list[int]) -> list[int]:
-        """Tokens kept of each finished slot: up to and including its EOS."""
-        return [min(offset + 1, self.settings.slot_size) for offset in eos_offsets]
-
-    def _leading(self, chosen: list[int], accepted: list[int], eos_offsets: list[int]) -> int:
-        """How many leading chosen slots are complete: fully accepted, or accepted up to an EOS (which ends them)."""
-        size, leading = self.settings.slot_size, 0
-        while leading < len(chosen) and (accepted[leading] == size or eos_offsets[leading] < accepted[leading]):
-            leading += 1
-            if eos_offsets[leading - 1] < size:
-                break
-        self._end_at(chosen[:leading], eos_offsets[:leading])
-        return leading
-
-    def _end_at(self, slots: list[int], eos_offsets: list[int]) -> None:
-        """Move the end of the answer to the first committed EOS and drop the slots after it."""
-        size = self.settings.slot_size
-        for slot, offset in zip(slots, eos_offsets):
-            if offset < size:
-                self.stop_at(slot * size + offset + 1)
-
-    def _commit(self, slots, tokens, index, prefix, lengths, computed: bool = False) -> None:
-        """Append the first `lengths[i]` tokens of each slot to the sequence: as one causal chunk (`prefix` None)
-        or with each slot seeing `prefix` tokens and itself. `computed`: their K/V are already in the cache."""
-        if not slots:
-            return
-        for slot in slots:
-            self.status[slot] = self.DONE
-        keep = self.offsets < torch.tensor(lengths, device=self.device)[:, None]
-        self.answer[index[keep]] = tokens[keep]
-        ids, positions = tokens[keep], index[keep] + self.prompt_length
-        if prefix is None:
-            chunk = self._chunk(ids, positions)
-        else:
-            chunk = Chunk(ids, positions, self._new_groups(len(slots)).repeat_interleave(keep.sum(dim=1)), prefix)
-        self._store(chunk, computed)
-
-    def _finish_slot(self, slot, tokens, index, stored: int, length: int, group: int, prefix: int) -> None:
-        """Commit an infilled slot: its tokens not yet in the sequence join it, in the slot's group."""
-        self.status[slot] = self.DONE
-        self.answer[index[:length]] = tokens[:length]
-        if length > stored:
-            ids, positions = tokens[stored:length], index[stored:length] + self.prompt_length
-            self._store(Chunk(ids, positions, torch.full_like(ids, group), prefix))
-
-    def _store(self, chunk: Chunk, computed: bool = False) -> None:
-        chunk.start = self.length
-        self.stored.append(chunk)
-        self.length += len(chunk)
-        if not computed:
-            self.pending.append(chunk)
-
-    def _forward(self, queries: Chunk):
-        """Yield `[pending | queries]` (the whole sequence and the queries when recomputing); return the
-        queries' logits. Pending tokens are then part of the cached sequence."""
-        queries.start = self.length
-        chunks = [*(self.stored if self.recompute else self.pending), queries]
-        request = Request(
-            ids=torch.cat([chunk.ids for chunk in chunks]),
-            positions=torch.cat([chunk.positions for chunk in chunks]),
-            ranks=torch.cat([chunk.start + torch.arange(len(chunk), device=self.device) for chunk in chunks]),
-            prefixes=torch.cat([chunk.prefixes() for chunk in chunks]),
-            groups=torch.cat([chunk.groups for chunk in chunks]),
-            num_pending=sum(len(chunk) for chunk in chunks[:-1]),
-        )
-        logits = yield request
-        self.pending, self.keep = [], 0
-        return logits
-
-
-def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, past: int, dtype) -> torch.Tensor:
-    """Additive mask `[batch, 1, new, past + new]` from each token's storage rank, prefix and group: a token sees
-    the keys of its row ranked below its prefix and the keys of its group ranked up to itself (and always itself,
-    so that padding rows stay finite)."""
+# ---- many rows: one batched forward per step -----------------------------------------------------------------------
+def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, past: int, dtype) -> torch.Tensor:
+    """Additive mask `[batch, 1, new, past + new]`: a token sees the keys of its row ranked below its prefix, and
+    the keys of its own group and of its parent group ranked up to itself (and always itself, so that padding rows
+    stay finite)."""
+    below = key_ranks[:, None, :] <= ranks[:, :, None]
     sees = key_ranks[:, None, :] < prefixes[:, :, None]
-    sees |= (key_groups[:, None, :] == groups[:, :, None]) & (key_ranks[:, None, :] <= ranks[:, :, None])
+    sees |= (key_groups[:, None, :] == groups[:, :, None]) & below
+    sees |= (key_groups[:, None, :] == parents[:, :, None]) & below
     new = torch.arange(ranks.shape[1], device=ranks.device)
     sees[:, new, past + new] = True
     mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device)
     return mask.masked_fill(~sees, torch.finfo(dtype).min)[:, None]
 
 
-PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2}  # padding sees only itself
+PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2, "parents": NO_GROUP}
 
 
-class InOrderMonitor:
-    """Streams, and applies stopping criteria to, the in-order prefix of each answer as it grows.
-
-    ReFusion commits slots out of reading order; only the contiguous prefix is final text. When a criterion fires
-    inside a newly final run of tokens, the answer ends at the first token where it does.
-    """
-
-    def __init__(self, decoders: list[SlotDecoder], prompts: list[torch.Tensor], streamer=None, criteria=None):
-        self.decoders, self.prompts, self.streamer, self.criteria = decoders, prompts, streamer, criteria
-        self.emitted = [0] * len(prompts)
-        if streamer is not None:
-            streamer.put(prompts[0][None].cpu())
-
-    def update(self) -> None:
-        for row, decoder in enumerate(self.decoders):
-            frontier = decoder.frontier()
-            if frontier <= self.emitted[row]:
-                continue
-            if self.criteria:
-                for length in range(self.emitted[row] + 1, frontier + 1):
-                    sequence = torch.cat([self.prompts[row], decoder.answer[:length]])[None]
-                    if self.criteria(sequence, None).any():
-                        decoder.stop_at(length)
-                        frontier = length
-                        break
-            if self.streamer is not None:
-                self.streamer.put(decoder.answer[self.emitted[row] : frontier].cpu())
-            self.emitted[row] = frontier
-
-    def end(self) -> None:
-        if self.streamer is not None:
-            self.streamer.end()
-
-
-def execute(
-    model, decoders: list[SlotDecoder], cache: DynamicCache | None, monitor: InOrderMonitor | None = None
-) -> int:
+def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | None) -> int:
     """Run the decoders' requests as batched forwards over one `cache` (rows of different lengths leave masked
     holes in it; without a cache every request carries its whole sequence); finished rows leave the batch.
-    `monitor` sees every step. Returns the number of forwards."""
+    Returns the number of forwards."""
     device = decoders[0].device
     steps = [decoder.steps() for decoder in decoders]
-    rows = list(range(len(decoders)))
-    requests = [next(step) for step in steps]
-    use_cache = cache is not None
-    cached_ranks = torch.zeros((len(rows), 0), dtype=torch.long, device=device)  # per row and cache column
+    requests = [next(step, None) for step in steps]
+    alive = [row for row, request in enumerate(requests) if request is not None]
+    steps, requests = [steps[row] for row in alive], [requests[row] for row in alive]
+    cached_ranks = torch.zeros((len(steps), 0), dtype=torch.long, device=device)  # per row and cache column
     cached_groups = torch.zeros_like(cached_ranks)
     forwards = 0
-    while rows:
+    while steps:
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
             name: pad_sequence([getattr(request, name) for request in requests], True, value, padding_side="left")
             for name, value in PADDING.items()
         }
-        width = batch["ids"].shape[1]
-        query_lengths = [len(request) - request.num_pending for request in requests]
-        past = cached_ranks.shape[1]
-        key_ranks = torch.cat([cached_ranks, batch["ranks"]], dim=1)
-        key_groups = torch.cat([cached_groups, batch["groups"]], dim=1)
+        width, past = batch["ids"].shape[1], cached_ranks.shape[1]
         mask = attention_mask(
-            key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], past, model.dtype
-        )
+            torch.cat([cached_ranks, batch["ranks"]], dim=1),
+            torch.cat([cached_groups, batch["groups"]], dim=1),
+            batch["ranks"], batch["prefixes"], batch["groups"], batch["parents"], past, model.dtype,
+        )  # fmt: skip
         logits = model(
             input_ids=batch["ids"],
             position_ids=batch["positions"],
             attention_mask=mask,
             cache=cache,
-            use_cache=use_cache,
-            logits_to_keep=max(query_lengths),
+            use_cache=cache is not None,
+            logits_to_keep=max(request.num_queries for request in requests),
         ).logits
         forwards += 1
-        kept_ends, next_requests = [], []
-        for row, (length, step) in enumerate(zip(query_lengths, (steps[r] for r in rows))):
-            try:
-                next_requests.append(step.send(logits[row, logits.shape[1] - length :]))
-            except StopIteration:
-                next_requests.append(None)
-            kept_ends.append(width - length + decoders[rows[row]].keep)  # pending and kept queries stay
-        if cache is not None:
+        replies, kept_ends = [], []
+        for row, (step, request) in enumerate(zip(steps, requests)):
+            reply, keep = next_request(step, logits[row, logits.shape[1] - request.num_queries :])
+            replies.append(reply)
+            kept_ends.append(width - request.num_queries + keep)
+        if cache is not None:  # pending tokens and the kept queries stay; the rest is cropped or hidden
             kept = max(kept_ends)
             keep = torch.arange(kept, device=device) < torch.tensor(kept_ends, device=device)[:, None]
             cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :kept].masked_fill(~keep, NEVER)], dim=1)
             cached_groups = torch.cat([cached_groups, batch["groups"][:, :kept]], dim=1)
             cache.crop(kept - width)
-        if monitor is not None:
-            monitor.update()
-        alive = [
-            row
-            for row, request in enumerate(next_requests)
-            if request is not None and not decoders[rows[row]].finished()
-        ]
-        if len(alive) < len(rows) and alive and cache is not None:
+        alive = [row for row, reply in enumerate(replies) if reply is not None]
+        if len(alive) < len(steps) and alive and cache is not None:
             cache.batch_select_indices(torch.tensor(alive, device=device))
             cached_ranks, cached_groups = cached_ranks[alive], cached_groups[alive]
-        rows = [rows[row] for row in alive]
-        requests = [next_requests[row] for row in alive]
+        steps, requests = [steps[row] for row in alive], [replies[row] for row in alive]
     return forwards
 
 
+def next_request(step, logits: torch.Tensor) -> tuple[Request | None, int]:
+    """Send a row's logits to its generator: its next request (None when it is done) and how many queries of the
+    request just run stay in the sequence."""
+    try:
+        request = step.send(logits)
+    except StopIteration as done:
+        return None, done.value
+    return request, request.keep_previous
+
+
+# ---- generate() ----------------------------------------------------------------------------------------------------
 def stopping_criteria_for(config: GenerationConfig, stopping_criteria, tokenizer) -> StoppingCriteriaList:
     """The caller's criteria plus those the config's `stop_strings` and `max_time` ask for."""
     criteria = StoppingCriteriaList(stopping_criteria or [])
@@ -596,18 +884,24 @@ def refusion_generate(
     return_dict_in_generate: bool | None = None,
     streamer=None,
     stopping_criteria: StoppingCriteriaList | None = None,
+    logits_processor: lp.LogitsProcessorList | None = None,
     tokenizer=None,
     **kwargs,
 ) -> torch.LongTensor | RefusionGenerateOutput:
-    """ReFusion decoding of a left-padded batch: one batched forward per step for all rows (use_cache), or each
-    row recomputed from scratch at every forward (use_cache=False, the reference). `streamer` receives, and
-    `stopping_criteria`, `stop_strings` and `max_time` act on, the in-order prefix of each answer."""
+    """ReFusion decoding of a left-padded batch: one batched forward per step for all rows (with the cache), or
+    each row recomputed from scratch at every forward (`use_cache=False`, the reference). `streamer` receives, and
+    `stopping_criteria`, `stop_strings` and `max_time` act on, the in-order prefix of each answer; the generation
+    config's logits processors (and `logits_processor`) shape every draft and every check."""
     if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("generate() needs a non-empty 2D input_ids prompt of shape (batch, length).")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}.")
+    for name in ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "synced_gpus"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"ReFusion slot decoding cannot apply the generate() argument {name}.")
+        kwargs.pop(name, None)
     settings, config = resolve_settings(model, generation_config, input_ids.shape[1], kwargs)
     if return_dict_in_generate is None:
         return_dict_in_generate = bool(config.return_dict_in_generate)
@@ -619,7 +913,7 @@ def refusion_generate(
     criteria = stopping_criteria_for(config, stopping_criteria, tokenizer)
     input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
     attention_mask = attention_mask.repeat_interleave(num_return_sequences, dim=0)
-    prompts = []
+    decoders = []
     for row, mask in zip(input_ids, attention_mask.bool()):
         prompt = row[mask]
         if prompt.shape[0] == 0:
@@ -630,23 +924,26 @@ def refusion_generate(
             raise ValueError(
                 f"A prompt contains the mask token (id {settings.mask_token_id}); it marks undecoded tokens only."
             )
-        prompts.append(prompt)
+        processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
+        watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
+        decoders.append(SlotDecoder(prompt, settings, processors, watcher))
 
-    decoders = [SlotDecoder(prompt, settings) for prompt in prompts]
-    monitor = InOrderMonitor(decoders, prompts, streamer, criteria) if streamer is not None or criteria else None
     with torch.no_grad():
         if settings.use_cache:
-            forwards = execute(model, decoders, DynamicCache(), monitor)
+            forwards = execute(model, decoders, DynamicCache())
         else:
-            forwards = sum(execute(model, [decoder], None, monitor) for decoder in decoders)
-    if monitor is not None:
-        monitor.end()
+            forwards = sum(execute(model, [decoder], None) for decoder in decoders)
+    if streamer is not None:
+        decoders[0].watcher.end()
     ends = [decoder.answer_length() for decoder in decoders]
     answers = torch.stack([decoder.result() for decoder in decoders])
     sequences = torch.cat([input_ids, answers[:, : max(ends)]], dim=1)
     if not return_dict_in_generate:
         return sequences
-    committed = sum(ends)
+    ratios = [ratio for decoder in decoders for ratio in decoder.step_ratios]
     return RefusionGenerateOutput(
-        sequences=sequences, num_forward_passes=forwards, tokens_per_forward=committed / max(forwards, 1)
+        sequences=sequences,
+        num_forward_passes=forwards,
+        tokens_per_forward=sum(ends) / max(forwards, 1),
+        step_tokens_per_forward=sum(ratios) / max(len(ratios), 1),
     )

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from configuration_refusion import RefusionConfig
-from generation_refusion import DECODING_FIELDS
+from generation_refusion import DECODING_FIELDS, INFILL_MODES, check_decoding
 from modeling_refusion import SUPPORTED_ATTENTION, RefusionForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -75,13 +75,14 @@ def convert_to_refusion(
     mask_token: str | None = None,
     *,
     gguf_file: str | None = None,
-    **refusion_kwargs,
+    **kwargs,
 ) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
     """Wrap a causal LM (or a path/Hub id to load) as a `RefusionForCausalLM` sharing its modules.
 
     The mask token is `mask_token`, else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary
-    (with the mean embedding) only when missing. `refusion_kwargs` set `RefusionConfig` fields such as
-    `slot_size` or `train_slot_sizes`. On ordinary left-to-right input the result computes the same logits
+    (with the mean embedding) only when missing. `kwargs` set decoding defaults written to the generation config
+    (`slot_size`, `slot_threshold`, `token_threshold`, `block_length`, `infill_mode`, `fused_redraft`) and
+    `RefusionConfig` fields (`train_slot_sizes`, `mask_eps`). On ordinary left-to-right input the result computes the same logits
     as the base model over the base vocabulary.
     """
     if isinstance(model, (str, os.PathLike)):
@@ -92,6 +93,7 @@ def convert_to_refusion(
     if isinstance(model, RefusionForCausalLM):
         raise ValueError("The model is already a RefusionForCausalLM.")
 
+    decoding = check_decoding({name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs})
     mask_token_id, added = add_mask_token(tokenizer, mask_token)
     if added or mask_token_id >= model.get_input_embeddings().num_embeddings:
         _make_room_for_mask(model, mask_token_id)
@@ -99,7 +101,7 @@ def convert_to_refusion(
         tokenizer.pad_token = tokenizer.eos_token
 
     attention = model.config._attn_implementation  # read before the wrapper's init adjusts the shared config
-    config = RefusionConfig(text_config=model.config, mask_token_id=mask_token_id, **refusion_kwargs)
+    config = RefusionConfig(text_config=model.config, mask_token_id=mask_token_id, **kwargs)
     with torch.device("meta"):
         refusion = RefusionForCausalLM(config)
     refusion.model = model.model
@@ -107,19 +109,20 @@ def convert_to_refusion(
     if attention not in SUPPORTED_ATTENTION:
         logger.warning("attn_implementation=%r misreads out-of-order position ids; ReFusion uses 'sdpa'.", attention)
         refusion.set_attn_implementation("sdpa")
-    refusion.generation_config = refusion_generation_config(model.generation_config, config, tokenizer)
+    refusion.generation_config = refusion_generation_config(model.generation_config, mask_token_id, tokenizer, decoding)
     refusion.eval()
     return refusion, tokenizer
 
 
 def refusion_generation_config(
-    base: GenerationConfig, config: RefusionConfig, tokenizer: PreTrainedTokenizerBase
+    base: GenerationConfig, mask_token_id: int, tokenizer: PreTrainedTokenizerBase, decoding: dict
 ) -> GenerationConfig:
-    """The base model's generation defaults plus ReFusion's decoding parameters and special tokens."""
+    """The base model's generation defaults plus ReFusion's decoding parameters (all of them, validated) and
+    special tokens."""
     generation_config = GenerationConfig.from_dict(base.to_dict())
-    for name in DECODING_FIELDS:
-        setattr(generation_config, name, getattr(config, name))
-    generation_config.mask_token_id = config.mask_token_id
+    for name, value in check_decoding(decoding).items():
+        setattr(generation_config, name, value)
+    generation_config.mask_token_id = mask_token_id
     if generation_config.eos_token_id is None:
         generation_config.eos_token_id = tokenizer.eos_token_id
     if generation_config.pad_token_id is None:
@@ -159,12 +162,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--slot_size", type=int, default=None, help="Default decoding slot size.")
     parser.add_argument("--block_length", type=int, default=None, help="Default tokens per serial block.")
+    parser.add_argument("--slot_threshold", type=float, default=None, help="Default slot confidence threshold.")
+    parser.add_argument("--token_threshold", type=float, default=None, help="Default token acceptance threshold.")
+    parser.add_argument("--infill_mode", choices=INFILL_MODES, default=None, help="Default infill rule.")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = {name: getattr(args, name) for name in ("slot_size", "block_length") if getattr(args, name) is not None}
+    overrides = {name: getattr(args, name) for name in DECODING_FIELDS if getattr(args, name, None) is not None}
     try:
         model, tokenizer = convert_to_refusion(
             args.model_name_or_path, mask_token=args.mask_token, gguf_file=args.gguf_file, **overrides

@@ -12,7 +12,7 @@ from configuration_refusion import SUPPORTED_BACKBONES, RefusionConfig
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_config_round_trips_through_json(tmp_path, architecture):
     backbone = tiny_backbone(architecture, vocab_size=64).config
-    config = RefusionConfig(text_config=backbone, mask_token_id=63, slot_size=4, block_length=16)
+    config = RefusionConfig(text_config=backbone, mask_token_id=63, train_slot_sizes=[4, 16])
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     loaded = RefusionConfig.from_pretrained(tmp_path)
@@ -21,8 +21,7 @@ def test_config_round_trips_through_json(tmp_path, architecture):
     assert saved["text_config"]["model_type"] == architecture
     assert type(loaded.text_config) is type(backbone)
     assert loaded.to_dict() == config.to_dict()
-    assert (loaded.mask_token_id, loaded.slot_size, loaded.block_length) == (63, 4, 16)
-    assert loaded.train_slot_sizes == [4, 8, 16, 32]
+    assert (loaded.mask_token_id, loaded.train_slot_sizes) == (63, [4, 16])
     assert loaded.tie_word_embeddings == backbone.tie_word_embeddings
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_refusion.RefusionForCausalLM"
 
@@ -39,10 +38,6 @@ def test_backbone_without_rope_is_refused_with_the_supported_list(text_config):
     ("field", "value", "message"),
     [
         ("mask_token_id", 64, "mask_token_id"),
-        ("slot_size", 0, "slot_size"),
-        ("block_length", 12, "block_length"),
-        ("slot_threshold", 1.5, "slot_threshold"),
-        ("token_threshold", -0.1, "token_threshold"),
         ("train_slot_sizes", [], "train_slot_sizes"),
         ("mask_eps", 0.0, "mask_eps"),
     ],

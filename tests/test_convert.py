@@ -10,6 +10,7 @@ from tiny import ARCHITECTURES, tiny_backbone, tiny_tokenizer
 
 from finetune.convert import convert_to_refusion, main, save_refusion
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+from generation_refusion import DECODING_DEFAULTS
 from modeling_refusion import RefusionForCausalLM
 
 ROOT_FILES = {"configuration_refusion.py", "modeling_refusion.py"}
@@ -43,7 +44,8 @@ def test_conversion_adds_a_mask_token_without_changing_the_function(architecture
     assert logits.shape[-1] == len(tokenizer)
     assert (logits[..., : expected.shape[-1]] - expected).abs().max() <= 1e-5
     assert model.generation_config.mask_token_id == mask_id
-    assert model.generation_config.slot_size == model.config.slot_size
+    assert model.generation_config.slot_size == DECODING_DEFAULTS["slot_size"]
+    assert not hasattr(model.config, "slot_size")  # decoding parameters have one home: the generation config
 
 
 def test_existing_mask_token_is_reused_without_resizing():
@@ -80,7 +82,7 @@ def test_saved_folder_is_complete_and_safetensors_only(tmp_path):
     assert config["architectures"] == ["RefusionForCausalLM"]
     assert json.loads((output_dir / "tokenizer_config.json").read_text())["mask_token"] == "<|mask|>"
     generation = json.loads((output_dir / "generation_config.json").read_text())
-    assert {"slot_size", "slot_threshold", "token_threshold", "block_length", "mask_token_id"} <= generation.keys()
+    assert {*DECODING_DEFAULTS, "mask_token_id"} <= generation.keys()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["refusion"]  # no staging folder left behind
 
 
@@ -104,7 +106,8 @@ def test_cli_converts_a_saved_checkpoint(tmp_path):
     )
     assert code == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["slot_size"], config["text_config"]["model_type"]) == (4, "qwen2")
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (generation["slot_size"], generation["block_length"], config["text_config"]["model_type"]) == (4, 32, "qwen2")
 
 
 @pytest.mark.parametrize(
