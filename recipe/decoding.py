@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -18,6 +18,13 @@ class DecodeRun:
     answers: list[list[int]]  # per prompt, without the stop token and what follows it
     seconds: float
     forwards: int
+    forward_seconds: float = 0.0  # of `seconds`, the time spent inside model forwards
+    step_tokens_per_forward: list[float] | None = None  # ReFusion: the authors' per-step figure, per batch
+
+    @property
+    def orchestration(self) -> float:
+        """Share of the decode time spent outside model forwards."""
+        return 1.0 - self.forward_seconds / self.seconds
 
     @property
     def tokens(self) -> int:
@@ -81,37 +88,53 @@ def decode(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     batch_size: int = 1,
+    autoregressive: bool = False,
     **generate_kwargs,
 ) -> DecodeRun:
     """Greedy `model.generate()` over `prompts` (token ids) in batches; ReFusion models take their decoding
-    settings (`slot_size`, thresholds, `block_length`) in `generate_kwargs`."""
+    settings (`slot_size`, thresholds, `block_length`, `infill_mode`) in `generate_kwargs`. `autoregressive`:
+    decode with transformers' own token-by-token `generate()` even when the model is a ReFusion model."""
     stop_ids = stop_token_ids(model, tokenizer)
-    forwards = 0
+    forwards, forward_seconds, started = 0, 0.0, 0.0
 
-    def count(*_):
-        nonlocal forwards
+    def enter(*_):
+        nonlocal started
+        _synchronize(model.device)
+        started = time.perf_counter()
+
+    def leave(*_):
+        nonlocal forwards, forward_seconds
+        _synchronize(model.device)
         forwards += 1
+        forward_seconds += time.perf_counter() - started
 
-    hook = model.register_forward_hook(count)
-    answers, seconds = [], 0.0
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    generate = GenerationMixin.generate if autoregressive else type(model).generate
+    refusion = not autoregressive and getattr(model.generation_config, "slot_size", None) is not None
+    answers, seconds, step_ratios = [], 0.0, []
     try:
         for start in range(0, len(prompts), batch_size):
             input_ids, attention_mask = left_padded(prompts[start : start + batch_size], tokenizer.pad_token_id)
             input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
             _synchronize(model.device)
             begin = time.perf_counter()
-            output = model.generate(
+            output = generate(
+                model,
                 input_ids,
                 attention_mask=attention_mask,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                **({"return_dict_in_generate": True} if refusion else {}),
                 **generate_kwargs,
             )
             _synchronize(model.device)
             seconds += time.perf_counter() - begin
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             answers += [cut_answer(row, stop_ids) for row in sequences[:, input_ids.shape[1] :].tolist()]
+            if refusion:
+                step_ratios.append(output.step_tokens_per_forward)
     finally:
-        hook.remove()
-    return DecodeRun(answers, seconds, forwards)
+        for hook in hooks:
+            hook.remove()
+    return DecodeRun(answers, seconds, forwards, forward_seconds, step_ratios or None)

@@ -137,6 +137,8 @@ def test_benchmark_prompts_quality_rows_table_and_plot(tmp_path):
         "prompts": 10,
         "max_new_tokens": 8,
         "ar_correct": 5,
+        "chosen": "slot 8",
+        "chosen_reason": "test",
         "rows": [ar_row, {"name": "slot 8", "kind": "slots", "batch_size": 1} | speed | row],
         "progress": [{"name": "checkpoint-2", "step": 2, **speed, **row}],
     }
@@ -144,3 +146,17 @@ def test_benchmark_prompts_quality_rows_table_and_plot(tmp_path):
     assert "| slot 8 | 1 |" in table and "| checkpoint-2 | 2 |" in table and f"{speed['speedup']:.2f}x" in table
     benchmark.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_chosen_setting_is_the_fastest_close_to_ar_else_the_best_at_one_token_per_forward():
+    benchmark = load_benchmark()
+    reference = {"token_f1": 0.8, "generative_perplexity": 2.0}
+
+    def row(name, speedup, f1, ppl, per_forward):
+        return dict(name=name, kind="slots", batch_size=1, speedup=speedup, token_f1=f1,
+                    generative_perplexity=ppl, tokens_per_forward=per_forward)  # fmt: skip
+
+    rows = [row("slow close", 0.8, 0.79, 2.05, 1.2), row("fast close", 1.4, 0.77, 2.1, 2.1), row("far", 3, 0.2, 9, 4)]
+    assert benchmark.choose_setting(rows, reference)[0] == "fast close"
+    rows = [row("best below one", 0.5, 0.7, 3, 0.9), row("good", 0.6, 0.6, 3, 1.1), row("worse", 2, 0.3, 8, 3)]
+    assert benchmark.choose_setting(rows, reference)[0] == "good"
