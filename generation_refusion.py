@@ -564,7 +564,7 @@ class SlotDecoder:
         if self.settings.infill_mode == "reference":
             if leading:  # the other chosen slots return to [MASK] and are planned again
                 return None
-            return self._settle(Infilling(chosen, tokens, accepted, counts * 0, groups, len(self.record)))
+            return Infilling(chosen, tokens, accepted, counts * 0, groups, len(self.record))
         redrafts = tokens[rest] if self.settings.fused_redraft else ar_tokens[rest]  # fused: keep the plan's drafts
         new_tokens, new_counts = accept_and_correct(
             tokens[rest], counts[rest], ar_probability[rest], ar_tokens[rest], redrafts, self.settings.token_threshold
@@ -604,28 +604,37 @@ class SlotDecoder:
             state = self._settle(state)
 
     def infill_reference(self, state: Infilling):
-        """The authors' infill: rounds of two forwards. The unaccepted positions are redrafted by `[MASK]` queries
-        (after the slot's fresh accepted tokens, which stay in the sequence), then checked causally; the first
-        unaccepted position is accepted unchecked."""
-        while state is not None:
-            index, fresh, drafting = self._infill_layout(state)
-            masks = torch.full_like(state.tokens, self.settings.mask_token_id)
-            mask_groups = self._new_groups(len(state.slots))
-            kept = self._grouped(state, index, fresh, state.tokens, state.groups)
-            queries = Queries.cat([kept, self._grouped(state, index, drafting, masks, mask_groups, state.groups)])
-            logits = yield from self._forward(queries)
-            self.record.keep(kept)
-            tokens = state.tokens.clone()
-            tokens[drafting] = self._pick(logits[len(kept) :], index[drafting], state.tokens, drafting)[0]
-            logits = yield from self._forward(self._grouped(state, index, drafting, tokens, state.groups))
+        """The authors' infill, in lockstep rounds of two forwards over the slots not yet complete: the unaccepted
+        positions are redrafted by `[MASK]` queries after the accepted tokens, then the slot is checked causally and
+        the first unaccepted position is accepted unchecked. After each round the first slot with an accepted EOS
+        completes and the slots after it are dropped. All slots are committed together at the end."""
+        size, mask_id = self.settings.slot_size, self.settings.mask_token_id
+        index = self._slot_index(state.slots)
+        while (live := (state.counts < size)[:, None].expand_as(index)).any():
             row_of = torch.zeros_like(index)
-            row_of[drafting] = torch.arange(len(logits), device=self.device)
-            scored = drafting & (self.offsets > state.counts[:, None])  # scored by a checked position before it
+            row_of[live] = torch.arange(int(live.sum()), device=self.device)
+            drafting = self.offsets >= state.counts[:, None]
+            masked = torch.where(drafting, mask_id, state.tokens)
+            groups = self._new_groups(len(state.slots))
+            logits = yield from self._forward(self._grouped(state, index, live, masked, groups))
+            tokens = state.tokens.clone()
+            tokens[drafting] = self._pick(logits[row_of[drafting]], index[drafting], state.tokens, drafting)[0]
+            groups = self._new_groups(len(state.slots))
+            logits = yield from self._forward(self._grouped(state, index, live, tokens, groups))
+            scored = drafting & (self.offsets > state.counts[:, None])  # by the checked position before it
             source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
             _, ar_probability = self._ar_check(logits[source[scored]], tokens, index, scored)
-            state.stored, state.tokens = state.counts, tokens
+            state.tokens = tokens
             state.counts = accept_reference(state.counts, ar_probability, self.settings.token_threshold)
-            state = self._settle(state)
+            eos = eos_offsets(tokens, state.counts, self.eos)
+            ended = (eos < state.counts).nonzero()[:, 0].tolist()
+            if ended:
+                first = ended[0]
+                state.counts[first] = size
+                self._stop_at(state.slots[first] * size + int(eos[first]) + 1)
+                state = state.select(list(range(first + 1)))
+                index = index[: first + 1]
+        self._settle(state)
 
     # ---- results -----------------------------------------------------------------------------------------------
     def frontier(self) -> int:

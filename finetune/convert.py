@@ -82,8 +82,8 @@ def convert_to_refusion(
     The mask token is `mask_token`, else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary
     (with the mean embedding) only when missing. `kwargs` set decoding defaults written to the generation config
     (`slot_size`, `slot_threshold`, `token_threshold`, `block_length`, `infill_mode`, `fused_redraft`) and
-    `RefusionConfig` fields (`train_slot_sizes`, `mask_eps`). On ordinary left-to-right input the result computes the same logits
-    as the base model over the base vocabulary.
+    `RefusionConfig` fields (`train_slot_sizes`, `mask_eps`). On ordinary left-to-right input the result computes
+    the same logits as the base model over the base vocabulary.
     """
     if isinstance(model, (str, os.PathLike)):
         model, loaded_tokenizer = load_causal_lm(model, gguf_file=gguf_file)

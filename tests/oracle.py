@@ -8,9 +8,9 @@ verify forward: the floor.
 """
 
 import torch
+from tiny import tiny_backbone, tiny_tokenizer
 
 from finetune.convert import convert_to_refusion
-from tiny import tiny_backbone, tiny_tokenizer
 
 CONFIDENT = 30.0  # logit of the predicted token; every other token has 0
 

@@ -107,7 +107,8 @@ def test_cli_converts_a_saved_checkpoint(tmp_path):
     assert code == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
-    assert (generation["slot_size"], generation["block_length"], config["text_config"]["model_type"]) == (4, 32, "qwen2")
+    assert (generation["slot_size"], generation["block_length"]) == (4, 32)
+    assert config["text_config"]["model_type"] == "qwen2"
 
 
 @pytest.mark.parametrize(
