@@ -1,0 +1,73 @@
+"""The decoder's decisions as pure functions on plain tensors, without a model."""
+
+import torch
+
+from generation_refusion import (
+    accept_and_correct,
+    accept_reference,
+    accepted_lengths,
+    choose_slots,
+    eos_offsets,
+    leading_complete,
+    pick_tokens,
+)
+
+T = torch.tensor
+
+
+def test_slots_above_the_threshold_are_chosen_else_the_single_most_confident():
+    assert choose_slots(T([0.9, 0.2, 0.85]), 0.8).tolist() == [True, False, True]
+    assert choose_slots(T([0.3, 0.7, 0.5]), 0.8).tolist() == [False, True, False]
+    assert choose_slots(T([0.8, 0.1]), 0.8).tolist() == [True, False]  # strictly above: none passes, the best is taken
+    assert choose_slots(T([0.0, 0.1]), 0.0).tolist() == [True, True]  # threshold 0 takes every slot
+
+
+def test_accepted_length_is_the_leading_run_of_passes():
+    passed = T([[True, True, False, True], [True, True, True, True], [False, True, True, True]])
+    assert accepted_lengths(passed).tolist() == [2, 4, 0]
+
+
+def test_eos_offset_counts_only_accepted_tokens():
+    tokens = T([[5, 2, 7, 2], [5, 6, 7, 2], [2, 6, 7, 8]])
+    assert eos_offsets(tokens, T([4, 3, 4]), T([2])).tolist() == [1, 4, 0]
+    assert eos_offsets(tokens, T([4, 4, 4]), T([], dtype=torch.long)).tolist() == [4, 4, 4]
+
+
+def test_leading_complete_slots_stop_at_the_first_partial_one_or_after_an_eos():
+    assert leading_complete([4, 4, 2, 4], [4, 4, 4, 4], 4) == 2
+    assert leading_complete([4, 3, 4], [4, 1, 4], 4) == 2  # the second slot ends at its accepted EOS
+    assert leading_complete([4, 4], [0, 4], 4) == 1  # nothing after an EOS
+    assert leading_complete([2, 4], [4, 4], 4) == 0
+
+
+def test_fast_check_keeps_passing_drafts_takes_the_models_token_at_the_first_rejection_and_redrafts_the_rest():
+    tokens = T([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    counts = T([1, 2])
+    probability = T([[1.0, 0.9, 0.1, 0.9, 0.9], [1.0, 1.0, 0.9, 0.9, 0.9]])
+    own = T([[0, 0, 32, 33, 34], [0, 0, 0, 0, 0]])
+    redrafts = T([[0, 0, 0, 43, 44], [0, 0, 0, 0, 0]])
+    new_tokens, new_counts = accept_and_correct(tokens, counts, probability, own, redrafts, threshold=0.5)
+    assert new_tokens.tolist() == [[10, 11, 32, 43, 44], [20, 21, 22, 23, 24]]
+    assert new_counts.tolist() == [3, 5]
+
+
+def test_already_accepted_tokens_are_never_rechecked():
+    tokens, probability = T([[1, 2, 3]]), T([[0.0, 0.0, 0.0]])
+    new_tokens, new_counts = accept_and_correct(tokens, T([2]), probability, T([[7, 8, 9]]), T([[4, 5, 6]]), 0.5)
+    assert new_tokens.tolist() == [[1, 2, 9]] and new_counts.tolist() == [3]
+
+
+def test_reference_round_accepts_the_first_unaccepted_position_unchecked_then_passing_ones():
+    probability = T([[1.0, 1.0, 0.0, 0.9, 0.1], [1.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    assert accept_reference(T([1, 1, 5]), probability, 0.5).tolist() == [2, 2, 5]
+    probability[0, 2] = 0.9
+    assert accept_reference(T([1, 1, 5]), probability, 0.5).tolist() == [4, 2, 5]
+
+
+def test_greedy_pick_never_proposes_the_mask_token():
+    probabilities = T([[0.125, 0.625, 0.25], [0.5, 0.25, 0.25]])
+    tokens, chosen = pick_tokens(probabilities, mask_token_id=1, do_sample=False)
+    assert tokens.tolist() == [2, 0] and chosen.tolist() == [0.25, 0.5]
+    torch.manual_seed(0)
+    sampled, _ = pick_tokens(probabilities[:1].expand(500, 3), mask_token_id=1, do_sample=True)
+    assert not (sampled == 1).any() and set(sampled.tolist()) == {0, 2}
