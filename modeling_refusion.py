@@ -191,10 +191,14 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
     ) -> torch.LongTensor | RefusionGenerateOutput:
         r"""ReFusion plan-and-infill decoding (see `generation_refusion`).
 
-        Takes the usual `max_new_tokens`/`max_length`, `eos_token_id`, `pad_token_id`, `do_sample`, `temperature`,
-        `top_k`, `top_p`, `use_cache`, `return_dict_in_generate`, plus `slot_size`, `slot_threshold`,
-        `token_threshold` and `block_length`; defaults come from `generation_config` (the model's by default).
-        Returns prompt + answer, with `pad_token_id` after an EOS.
+        Takes the usual `generate()` options (`max_new_tokens`/`max_length`, `eos_token_id`, `pad_token_id`,
+        `do_sample` and the sampling warpers, `repetition_penalty`, `suppress_tokens`, `min_new_tokens` and the other
+        logits processors, `logits_processor`, `stopping_criteria`, `stop_strings`, `streamer`, `use_cache`,
+        `num_return_sequences`, `return_dict_in_generate`) plus the decoding parameters `slot_size`,
+        `slot_threshold`, `token_threshold`, `block_length`, `infill_mode` ("fast" or "reference") and
+        `fused_redraft`; defaults come from `generation_config` (the model's by default). An option slot decoding
+        cannot apply (beam search, assisted decoding, ...) raises a `ValueError` naming it. Returns prompt + answer,
+        with `pad_token_id` after an EOS.
         """
         input_ids = kwargs.pop("input_ids", inputs)
         self._check_attention_implementation()

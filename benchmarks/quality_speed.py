@@ -47,6 +47,7 @@ VARIATIONS = {  # name -> changes from CENTRE; one knob at a time, plus the auth
     "token thr 0.1": dict(token_threshold=0.1),
     "token thr 0.9": dict(token_threshold=0.9),
     "slot 16, 0.5/0.1": dict(slot_size=16, slot_threshold=0.5, token_threshold=0.1),
+    "slot 32, 0.5/0.1": dict(slot_size=32, slot_threshold=0.5, token_threshold=0.1),
     "reference, slot 4, block 16, 0.6/0.3 (authors')": dict(
         infill_mode="reference", slot_size=4, block_length=16, slot_threshold=0.6
     ),

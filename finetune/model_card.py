@@ -79,8 +79,9 @@ output = model.generate(**inputs, max_new_tokens=128)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```
 
-`generate` runs ReFusion's plan-and-infill decoding; `slot_size`, `slot_threshold`, `token_threshold` and
-`block_length` can be passed to it (defaults in `generation_config.json`).
+`generate` runs ReFusion's plan-and-infill decoding; `slot_size`, `slot_threshold`, `token_threshold`,
+`block_length`, `infill_mode` (`"fast"`, or `"reference"` for the authors' released rule) and `fused_redraft` can be
+passed to it (defaults in `generation_config.json`), beside the usual `generate()` options.
 
 ## Training
 

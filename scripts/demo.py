@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.convert import save_refusion
+from generation_refusion import DECODING_FIELDS
 from recipe.decoding import chat_prompt_ids, decode
-from recipe.model import SHIPPED_ADAPTER, load_base, with_adapter
+from recipe.model import SHIPPED_ADAPTER, load_base, shipped_decoding, with_adapter
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
     "What is the capital of Japan?",
@@ -26,7 +27,6 @@ PROMPTS = [  # from the recipe's held-out split: never trained on
     "Give me five examples of fruits.",
     "Ana has 3 apples and gets 4 more. How many apples does Ana have now?",
 ]
-SETTINGS = dict(slot_size=8, block_length=32, slot_threshold=0.8, token_threshold=0.3)
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
         f"({time.perf_counter() - start:.1f} s)"
     )
     start = time.perf_counter()
-    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)
+    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter, shipped_decoding())
     print(f"[adapter] converted to ReFusion with {args.adapter} merged ({time.perf_counter() - start:.1f} s)")
     output_dir = save_refusion(model, refusion_tokenizer, args.output_dir)
     del model
@@ -57,9 +57,10 @@ def main() -> None:
 
     prompt_ids = chat_prompt_ids(tokenizer, PROMPTS)
     decode(base, tokenizer, prompt_ids[:1], max_new_tokens=4)  # warm-up: one-off costs of first calls
-    decode(model, refusion_tokenizer, prompt_ids[:1], max_new_tokens=4, **SETTINGS)
+    decode(model, refusion_tokenizer, prompt_ids[:1], max_new_tokens=4)  # its generation config's defaults
     ar = decode(base, tokenizer, prompt_ids, args.max_new_tokens)
-    refusion = decode(model, refusion_tokenizer, prompt_ids, args.max_new_tokens, **SETTINGS)
+    refusion = decode(model, refusion_tokenizer, prompt_ids, args.max_new_tokens)
+    settings = {name: getattr(model.generation_config, name) for name in DECODING_FIELDS}
     for prompt, ar_answer, answer in zip(PROMPTS, ar.answers, refusion.answers):
         print(f"\n>>> {prompt}")
         print(f"[ReFusion] {refusion_tokenizer.decode(answer, skip_special_tokens=True)!r}")
@@ -68,7 +69,7 @@ def main() -> None:
     print(f"\nbatch 1, greedy, up to {args.max_new_tokens} new tokens per prompt, {torch.get_num_threads()} threads:")
     print("| decoder | tokens | seconds | tokens/s | forwards | tokens/forward |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, run in [("base AR generate()", ar), (f"ReFusion {SETTINGS}", refusion)]:
+    for name, run in [("base AR generate()", ar), (f"ReFusion {settings}", refusion)]:
         print(
             f"| {name} | {run.tokens} | {run.seconds:.1f} | {run.tokens_per_second:.1f} | {run.forwards} "
             f"| {run.tokens_per_forward:.2f} |"
