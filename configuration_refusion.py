@@ -10,9 +10,11 @@ from dataclasses import field
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-# Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and
-# whose mask builder passes a prepared 4D mask through untouched. Each one is covered by the tests.
-SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
+try:
+    from .generation_refusion import SUPPORTED_BACKBONES  # each one is covered by the tests
+except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from generation_refusion import SUPPORTED_BACKBONES
+
 DEFAULT_AUTO_MAP = {
     "AutoConfig": "configuration_refusion.RefusionConfig",
     "AutoModel": "modeling_refusion.RefusionForCausalLM",

@@ -27,10 +27,16 @@ batched executor (`execute`) that runs the requests of all rows as one forward o
 token remembers what it attends to (a prefix of its row's sequence, its own group, and for `[MASK]` queries the
 group they draft for), so `use_cache=False` recomputes every forward from scratch with the same attention and
 must give the same tokens.
+
+This file is self-contained (torch and transformers only). Saved ReFusion folders carry a byte-identical copy as
+`custom_generate/generate.py`, so that its `generate(model, ...)` decodes any supported causal LM that has a mask
+token: `model.generate(input_ids, custom_generate="<folder or Hub repo>", trust_remote_code=True)`.
 """
 
 import copy
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -49,6 +55,11 @@ DECODING_DEFAULTS = {
     "fused_redraft": False,
 }
 DECODING_FIELDS = tuple(DECODING_DEFAULTS)
+# Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and whose mask
+# builder passes a prepared 4D mask through untouched; attention implementations that keep storage order with
+# out-of-order position ids (flash-attention reads a position jump as a new packed sequence).
+SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ATTENTION = ("sdpa", "eager")
 INFILL_MODES = ("fast", "reference")
 NEVER = 2**62  # storage rank of cache holes and padding: no token's prefix reaches it
 NO_GROUP = -3  # the parent group of tokens that draft for no slot
@@ -908,9 +919,10 @@ def refusion_generate(
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}.")
     for name in ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "synced_gpus"):
-        if kwargs.get(name) is not None:
+        if kwargs.get(name):
             raise ValueError(f"ReFusion slot decoding cannot apply the generate() argument {name}.")
         kwargs.pop(name, None)
+    kwargs.pop("negative_prompt_attention_mask", None)
     settings, config = resolve_settings(model, generation_config, input_ids.shape[1], kwargs)
     if return_dict_in_generate is None:
         return_dict_in_generate = bool(config.return_dict_in_generate)
@@ -956,3 +968,52 @@ def refusion_generate(
         tokens_per_forward=sum(ends) / max(forwards, 1),
         step_tokens_per_forward=sum(ratios) / max(len(ratios), 1),
     )
+
+
+def check_model(model) -> None:
+    """Raise a `ValueError` unless `model` is a backbone and attention implementation slot decoding is exact on."""
+    text_config = model.config.get_text_config(decoder=True)
+    if text_config.model_type not in SUPPORTED_BACKBONES:
+        raise ValueError(
+            f"ReFusion decoding needs a RoPE causal decoder that honours caller-given position ids; model_type "
+            f"{text_config.model_type!r} is not one of {SUPPORTED_BACKBONES}."
+        )
+    implementation = text_config._attn_implementation or "sdpa"
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={implementation!r} is not supported by ReFusion: it must keep attention in storage "
+            f"order with out-of-order position ids. Load the model with attn_implementation in {SUPPORTED_ATTENTION}."
+        )
+
+
+@torch.no_grad()
+def generate(*args, **kwargs) -> torch.LongTensor | RefusionGenerateOutput:
+    """ReFusion decoding of any supported causal LM that has a mask token (`mask_token_id` in its config or
+    generation config): `RefusionForCausalLM.generate`, and transformers' `custom_generate` entry point.
+
+    Called as `generate(model, inputs, generation_config, **options)`, or with `model=` as a keyword, which is how
+    transformers calls it (for `custom_generate=`, and when a loaded folder's `custom_generate/` becomes the model's
+    `generate`, with the caller's positional arguments after it)."""
+    if "model" in kwargs:
+        model = kwargs.pop("model")
+    elif args:
+        model, args = args[0], args[1:]
+    else:
+        raise TypeError("generate() needs the model.")
+    if len(args) > 2:
+        raise TypeError("generate() takes inputs and generation_config by position; pass the other options by name.")
+    inputs, generation_config = (*args, None, None)[:2]
+    inputs = kwargs.pop("input_ids", kwargs.pop("inputs", inputs))
+    generation_config = kwargs.pop("generation_config", generation_config)
+    check_model(model)
+    return refusion_generate(model, inputs, kwargs.pop("attention_mask", None), generation_config, **kwargs)
+
+
+def write_custom_generate(folder) -> Path:
+    """Write this file as `folder/custom_generate/generate.py`: transformers then runs its `generate` in place of the
+    model's own, for `custom_generate="<folder or repo>"` and for a model loaded from the folder with
+    `trust_remote_code=True`."""
+    target = Path(folder) / "custom_generate" / "generate.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(__file__, target)
+    return target

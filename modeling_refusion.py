@@ -24,13 +24,14 @@ from transformers.utils import ModelOutput
 
 try:
     from .configuration_refusion import RefusionConfig
-    from .generation_refusion import RefusionGenerateOutput, refusion_generate
+    from .generation_refusion import RefusionGenerateOutput, check_model, write_custom_generate
+    from .generation_refusion import generate as slot_generate
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from configuration_refusion import RefusionConfig
-    from generation_refusion import RefusionGenerateOutput, refusion_generate
+    from generation_refusion import RefusionGenerateOutput, check_model, write_custom_generate
+    from generation_refusion import generate as slot_generate
 
 IGNORE_INDEX = -100
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -100,14 +101,6 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         self._no_split_modules = self.model._no_split_modules
         self.post_init()
 
-    def _check_attention_implementation(self) -> None:
-        implementation = self.config.text_config._attn_implementation or "sdpa"
-        if implementation not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attn_implementation={implementation!r} is not supported by ReFusion: it must keep attention in "
-                f"storage order with out-of-order position ids. Use one of {SUPPORTED_ATTENTION}."
-            )
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -138,7 +131,7 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         noise_level (`torch.FloatTensor` of shape `(batch,)`), response_length (`torch.LongTensor` of shape `(batch,)`):
             Per-example masking probability and response length that scale the MDM loss.
         """
-        self._check_attention_implementation()
+        check_model(self)
         if labels is not None and logits_to_keep:
             raise ValueError("`logits_to_keep` cannot be combined with `labels`: the loss needs every position.")
         if labels is not None and (is_masked is None or noise_level is None or response_length is None):
@@ -181,6 +174,13 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, plus `custom_generate/generate.py` (a copy of `generation_refusion.py`)
+        so that the backbone's own class can decode the saved weights with ReFusion too."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_custom_generate(save_directory)
+
     @torch.no_grad()
     def generate(
         self,
@@ -200,9 +200,7 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         cannot apply (beam search, assisted decoding, ...) raises a `ValueError` naming it. Returns prompt + answer,
         with `pad_token_id` after an EOS.
         """
-        input_ids = kwargs.pop("input_ids", inputs)
-        self._check_attention_implementation()
-        return refusion_generate(self, input_ids, attention_mask, generation_config, **kwargs)
+        return slot_generate(self, inputs, generation_config, attention_mask=attention_mask, **kwargs)
 
 
 # `save_pretrained` then copies these files next to the weights and records them in `auto_map`.

@@ -9,6 +9,7 @@ token (reused when the tokenizer already has one) and ReFusion's configuration a
 """
 
 import argparse
+import copy
 import logging
 import os
 import shutil
@@ -21,12 +22,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from configuration_refusion import RefusionConfig
-from generation_refusion import DECODING_FIELDS, INFILL_MODES, check_decoding
-from modeling_refusion import SUPPORTED_ATTENTION, RefusionForCausalLM
+from generation_refusion import (
+    DECODING_FIELDS,
+    INFILL_MODES,
+    SUPPORTED_ATTENTION,
+    check_decoding,
+    write_custom_generate,
+)
+from modeling_refusion import RefusionForCausalLM
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
+FORMATS = ("refusion", "native")
 
 
 def load_causal_lm(
@@ -41,8 +49,17 @@ def load_causal_lm(
     return model, tokenizer
 
 
-def add_mask_token(tokenizer: PreTrainedTokenizerBase, mask_token: str | None = None) -> tuple[int, bool]:
-    """Set the tokenizer's mask token, adding it to the vocabulary only if absent; return `(id, was_added)`."""
+def add_mask_token(
+    tokenizer: PreTrainedTokenizerBase, mask_token: str | None = None, mask_token_id: int | None = None
+) -> tuple[int, bool]:
+    """Set the tokenizer's mask token, adding it to the vocabulary only if absent; return `(id, was_added)`.
+
+    The mask token is `mask_token`, else the token of `mask_token_id` (what a checkpoint's config records), else
+    the tokenizer's own mask token, else `<|mask|>` (reused when the vocabulary has it, added when it does not)."""
+    if mask_token is None and mask_token_id is not None:
+        if not 0 <= mask_token_id < len(tokenizer):
+            raise ValueError(f"The config's mask_token_id {mask_token_id} is outside the tokenizer ({len(tokenizer)}).")
+        mask_token = tokenizer.convert_ids_to_tokens(mask_token_id)
     mask_token = mask_token or tokenizer.mask_token or DEFAULT_MASK_TOKEN
     size_before = len(tokenizer)
     tokenizer.add_special_tokens({"mask_token": mask_token})
@@ -75,12 +92,16 @@ def convert_to_refusion(
     mask_token: str | None = None,
     *,
     gguf_file: str | None = None,
+    do_sample: bool = False,
     **kwargs,
 ) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
     """Wrap a causal LM (or a path/Hub id to load) as a `RefusionForCausalLM` sharing its modules.
 
-    The mask token is `mask_token`, else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary
-    (with the mean embedding) only when missing. `kwargs` set decoding defaults written to the generation config
+    The mask token is `mask_token`, else the one the model's config records (`mask_token_id`, as the authors'
+    released checkpoint has), else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary (with the
+    mean embedding) only when missing, and an existing embedding row is never changed. The converted generation
+    config decodes greedily unless `do_sample=True` is passed, since ReFusion's thresholds are defined on greedy
+    drafts. `kwargs` set decoding defaults written to the generation config
     (`slot_size`, `slot_threshold`, `token_threshold`, `block_length`, `infill_mode`, `fused_redraft`) and
     `RefusionConfig` fields (`train_slot_sizes`, `mask_eps`). On ordinary left-to-right input the result computes
     the same logits as the base model over the base vocabulary.
@@ -94,13 +115,17 @@ def convert_to_refusion(
         raise ValueError("The model is already a RefusionForCausalLM.")
 
     decoding = check_decoding({name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs})
-    mask_token_id, added = add_mask_token(tokenizer, mask_token)
+    recorded = getattr(model.config, "mask_token_id", None)
+    if recorded is None:
+        recorded = getattr(model.generation_config, "mask_token_id", None)
+    mask_token_id, added = add_mask_token(tokenizer, mask_token, recorded)
     if added or mask_token_id >= model.get_input_embeddings().num_embeddings:
         _make_room_for_mask(model, mask_token_id)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
     attention = model.config._attn_implementation  # read before the wrapper's init adjusts the shared config
+    clean_backbone_config(model)
     config = RefusionConfig(text_config=model.config, mask_token_id=mask_token_id, **kwargs)
     with torch.device("meta"):
         refusion = RefusionForCausalLM(config)
@@ -109,17 +134,39 @@ def convert_to_refusion(
     if attention not in SUPPORTED_ATTENTION:
         logger.warning("attn_implementation=%r misreads out-of-order position ids; ReFusion uses 'sdpa'.", attention)
         refusion.set_attn_implementation("sdpa")
-    refusion.generation_config = refusion_generation_config(model.generation_config, mask_token_id, tokenizer, decoding)
+    refusion.generation_config = refusion_generation_config(
+        model.generation_config, mask_token_id, tokenizer, decoding, do_sample
+    )
     refusion.eval()
     return refusion, tokenizer
 
 
+def clean_backbone_config(model: PreTrainedModel) -> None:
+    """Drop from the backbone's config what describes the converting machine rather than the saved weights: the
+    local path it was loaded from, and a quantization config when the weights are not quantized (a GGUF file is
+    de-quantized on loading)."""
+    config, quantizer = model.config, getattr(model, "hf_quantizer", None)
+    dequantized = quantizer is None or getattr(quantizer.quantization_config, "quant_method", None) == "gguf"
+    if getattr(config, "quantization_config", None) is not None and dequantized:
+        del config.quantization_config
+    if Path(str(getattr(config, "_name_or_path", ""))).is_absolute():
+        config._name_or_path = ""
+
+
 def refusion_generation_config(
-    base: GenerationConfig, mask_token_id: int, tokenizer: PreTrainedTokenizerBase, decoding: dict
+    base: GenerationConfig,
+    mask_token_id: int,
+    tokenizer: PreTrainedTokenizerBase,
+    decoding: dict,
+    do_sample: bool = False,
 ) -> GenerationConfig:
-    """The base model's generation defaults plus ReFusion's decoding parameters (all of them, validated) and
-    special tokens."""
+    """The base model's generation defaults plus ReFusion's decoding parameters (all of them, validated), its
+    special tokens, and greedy decoding unless `do_sample` (which keeps the base's sampling settings)."""
     generation_config = GenerationConfig.from_dict(base.to_dict())
+    generation_config.do_sample = do_sample
+    if not do_sample:  # the base's sampling settings would only apply when sampling (and fail validation)
+        for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
+            setattr(generation_config, name, None)
     for name, value in check_decoding(decoding).items():
         setattr(generation_config, name, value)
     generation_config.mask_token_id = mask_token_id
@@ -130,15 +177,36 @@ def refusion_generation_config(
     return generation_config
 
 
+def to_native(model: RefusionForCausalLM) -> PreTrainedModel:
+    """The backbone's own causal LM class over the same modules (no copy), with the mask token recorded in its
+    config and ReFusion's decoding defaults in its generation config."""
+    text_config = copy.deepcopy(model.config.text_config)
+    text_config.mask_token_id = model.config.mask_token_id
+    with torch.device("meta"):
+        native = AutoModelForCausalLM.from_config(text_config)
+    native.model, native.lm_head = model.model, model.lm_head
+    native.generation_config = copy.deepcopy(model.generation_config)
+    return native.eval()
+
+
 def save_refusion(
-    model: RefusionForCausalLM, tokenizer: PreTrainedTokenizerBase, output_dir: str | os.PathLike
+    model: RefusionForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    output_dir: str | os.PathLike,
+    format: str = "refusion",
 ) -> Path:
-    """Write model (safetensors), code, configs and tokenizer so that `output_dir` appears only when complete."""
+    """Write model (safetensors), configs, tokenizer and `custom_generate/` so that `output_dir` appears only when
+    complete. `format="refusion"`: our class (its code and `auto_map`; the hybrid loss for further training);
+    `"native"`: the backbone's own class and `config.json`, which every engine that serves the backbone loads, and
+    which decodes with ReFusion when loaded with `trust_remote_code=True`."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
-        model.save_pretrained(staging)
+        (to_native(model) if format == "native" else model).save_pretrained(staging)
+        write_custom_generate(staging)
         tokenizer.save_pretrained(staging)
         if output_dir.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
@@ -165,6 +233,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slot_threshold", type=float, default=None, help="Default slot confidence threshold.")
     parser.add_argument("--token_threshold", type=float, default=None, help="Default token acceptance threshold.")
     parser.add_argument("--infill_mode", choices=INFILL_MODES, default=None, help="Default infill rule.")
+    parser.add_argument(
+        "--do_sample", action="store_true", help="Sample by default (default: greedy, what the thresholds assume)."
+    )
+    parser.add_argument(
+        "--format", choices=FORMATS, default="refusion",
+        help="refusion: our class (trains with the hybrid loss); native: the backbone's own class and config.",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -173,9 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {name: getattr(args, name) for name in DECODING_FIELDS if getattr(args, name, None) is not None}
     try:
         model, tokenizer = convert_to_refusion(
-            args.model_name_or_path, mask_token=args.mask_token, gguf_file=args.gguf_file, **overrides
+            args.model_name_or_path,
+            mask_token=args.mask_token,
+            gguf_file=args.gguf_file,
+            do_sample=args.do_sample,
+            **overrides,
         )
-        output_dir = save_refusion(model, tokenizer, args.output_dir)
+        output_dir = save_refusion(model, tokenizer, args.output_dir, args.format)
     except (OSError, ValueError) as error:
         message = " ".join(str(error).split())
         print(f"finetune.convert: error: {message}", file=sys.stderr)

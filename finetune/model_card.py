@@ -29,6 +29,24 @@ class TrainingSummary:
     learning_rate: float
     batch_size: int
     final_losses: dict[str, float] = field(default_factory=dict)
+    format: str = "refusion"
+
+
+FORMATS = {
+    "refusion": """**Format: `refusion`.** The weights are the backbone's, under `RefusionForCausalLM` (code in this
+repository, `auto_map` in `config.json`), which also computes the hybrid training loss for further fine-tuning.
+`custom_generate/generate.py` holds the same decoder for any plain checkpoint of the backbone's class:
+`model.generate(ids, custom_generate="<this repo>", trust_remote_code=True)`.""",
+    "native": """**Format: `native`.** `config.json` is the backbone's own (its `model_type` and `architectures`, with
+`mask_token_id` recorded), so every engine that serves the backbone (vLLM, SGLang, TGI, llama.cpp after conversion)
+serves this model, autoregressively; without `trust_remote_code` it is an ordinary causal LM. Loaded with
+`trust_remote_code=True`, transformers runs `custom_generate/generate.py` as its `generate()`: ReFusion decoding.""",
+}
+
+
+def _public_name(name: str) -> str:
+    """A Hub id as it is; a local path by its folder or file name only (no path of the training machine)."""
+    return Path(name).name if Path(name).exists() or Path(name).is_absolute() else name
 
 
 def _metadata(summary: TrainingSummary) -> str:
@@ -47,9 +65,10 @@ def _metadata(summary: TrainingSummary) -> str:
 def render_model_card(repo_id: str, summary: TrainingSummary) -> str:
     """Markdown with Hub metadata: what the model is, how to load and run it, how it was trained."""
     losses = ", ".join(f"{name} {value:.4f}" for name, value in summary.final_losses.items()) or "not logged"
+    base_model, dataset = _public_name(summary.base_model), _public_name(summary.dataset)
     rows = [
-        ("Base model", f"`{summary.base_model}`"),
-        ("Dataset", f"`{summary.dataset}` ({summary.rows} examples)"),
+        ("Base model", f"`{base_model}`"),
+        ("Dataset", f"`{dataset}` ({summary.rows} examples)"),
         ("Method", summary.method),
         ("Slot sizes / mask eps", f"{summary.slot_sizes} / {summary.mask_eps:g}"),
         ("Max length", str(summary.max_length)),
@@ -63,7 +82,7 @@ def render_model_card(repo_id: str, summary: TrainingSummary) -> str:
 # {repo_id.split("/")[-1]}
 
 A [ReFusion]({PAPER}) model: a masked diffusion language model that decodes slots of tokens in parallel and
-verifies them autoregressively, reusing the KV cache exactly. It was fine-tuned from `{summary.base_model}` with the
+verifies them autoregressively, reusing the KV cache exactly. It was fine-tuned from `{base_model}` with the
 hybrid objective (autoregressive loss on clean slots plus masked-diffusion loss on masked slots) using TRL.
 
 ## Use
@@ -82,6 +101,8 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 `generate` runs ReFusion's plan-and-infill decoding; `slot_size`, `slot_threshold`, `token_threshold`,
 `block_length`, `infill_mode` (`"fast"`, or `"reference"` for the authors' released rule) and `fused_redraft` can be
 passed to it (defaults in `generation_config.json`), beside the usual `generate()` options.
+
+{FORMATS[summary.format]}
 
 ## Training
 

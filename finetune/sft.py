@@ -38,10 +38,11 @@ from transformers import AutoTokenizer, BitsAndBytesConfig, PretrainedConfig, Pr
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser, get_peft_config, get_quantization_config
 
-from finetune.convert import convert_to_refusion, load_causal_lm
+from finetune.convert import FORMATS, convert_to_refusion, load_causal_lm, to_native
 from finetune.data import OVERLONG_POLICIES, PreparedData, load_rows, prepare_dataset
 from finetune.hybrid import HybridObjectiveCollator
 from finetune.model_card import TrainingSummary, render_model_card
+from generation_refusion import write_custom_generate
 from modeling_refusion import RefusionForCausalLM
 
 logger = logging.getLogger("finetune.sft")
@@ -83,6 +84,14 @@ class RefusionArguments:
         metadata={
             "help": "Rows longer than --max_length: 'truncate' cuts the response, 'drop' skips the row.",
             "choices": list(OVERLONG_POLICIES),
+        },
+    )
+    format: str = field(
+        default="refusion",
+        metadata={
+            "help": "Saved model: 'refusion' (our class; trains further with the hybrid loss) or 'native' (the "
+            "backbone's own class and config, which serving engines load; ReFusion decoding with trust_remote_code).",
+            "choices": list(FORMATS),
         },
     )
 
@@ -424,9 +433,11 @@ def save_outputs(
     model = merged_model(trainer, staging, model_args, refusion_args)
     if model is not None:
         model.config.use_cache = True  # the Trainer turned it off for training; the published model generates
-        model.save_pretrained(staging)
+        (to_native(model) if refusion_args.format == "native" else model).save_pretrained(staging)
+        write_custom_generate(staging)
         tokenizer.save_pretrained(staging)
         summary = training_summary(trainer, script_args, model_args, rows)
+        summary.format = refusion_args.format
         card = render_model_card(hub_repo_id(training_args), summary)
         (staging / "README.md").write_text(card, encoding="utf-8")
         publish(staging, output_dir)

@@ -173,3 +173,22 @@ def test_attention_that_misreads_positions_is_switched_to_sdpa_with_a_warning(ca
     assert model.config.text_config._attn_implementation == "sdpa"
     assert "flex_attention" in caplog.text
     assert model(torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, len(tokenizer))
+
+
+def test_gguf_conversion_saves_clean_configs(smollm2_folder, tmp_path):
+    model, tokenizer = convert_to_refusion(smollm2_folder, gguf_file=SMOLLM2_GGUF)
+    folder = save_refusion(model, tokenizer, tmp_path / "refusion-smollm2", format="native")
+    for saved in (folder, save_refusion(model, tokenizer, tmp_path / "refusion")):
+        config = json.loads((saved / "config.json").read_text())
+        assert "quantization_config" not in config.get("text_config", config)  # the weights are de-quantized
+        for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            assert not absolute_paths(json.loads((saved / name).read_text())), name
+
+
+def absolute_paths(value) -> list[str]:
+    """Every string in a JSON value that is an absolute path with a folder in it."""
+    if isinstance(value, dict):
+        return [path for item in value.values() for path in absolute_paths(item)]
+    if isinstance(value, list):
+        return [path for item in value for path in absolute_paths(item)]
+    return [value] if isinstance(value, str) and value.startswith("/") and value.count("/") > 1 else []

@@ -23,6 +23,7 @@ from hub_user import run_as_hub_user
 from peft import PeftModel
 from safetensors.torch import load_file
 from tiny import tiny_backbone, tiny_tokenizer
+from transformers import AutoModelForCausalLM
 
 from finetune.convert import convert_to_refusion, save_refusion
 from finetune.data import load_rows, prepare_dataset
@@ -205,6 +206,24 @@ def test_full_fine_tuning_trains_every_weight_and_writes_no_adapter(tmp_path):
     initial, trained = base.state_dict(), merged.state_dict()
     assert all(not torch.equal(initial[name], trained[name]) for name in initial)
     assert hybrid_loss(merged, tokenizer, data) < 0.6 * hybrid_loss(base, tokenizer, data)
+
+
+def test_native_format_writes_the_backbones_class_with_the_decoder_in_custom_generate(tmp_path):
+    base_dir = save_base(tmp_path / "base", "llama")
+    data = write_data(tmp_path / "data", "query_response", "jsonl")
+    output_dir = tmp_path / "out"
+    status = run_cli(
+        "--model_name_or_path", base_dir, "--dataset_name", data, "--output_dir", output_dir, "--use_peft",
+        "--max_steps", 2, "--per_device_train_batch_size", 4, "--save_strategy", "no", "--format", "native",
+    )  # fmt: skip
+    assert status == 0
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "mask_token_id" in config
+    decoder = (output_dir / "custom_generate" / "generate.py").read_bytes()
+    assert decoder == (ROOT / "generation_refusion.py").read_bytes()
+    assert "Format: `native`" in (output_dir / "README.md").read_text()
+    native = AutoModelForCausalLM.from_pretrained(output_dir)
+    assert type(native).__name__ == "LlamaForCausalLM"
 
 
 def test_training_continues_from_a_refusion_checkpoint_and_evaluates_on_the_test_split(tmp_path, capsys):
