@@ -163,6 +163,7 @@ def refusion_generation_config(
     """The base model's generation defaults plus ReFusion's decoding parameters (all of them, validated), its
     special tokens, and greedy decoding unless `do_sample` (which keeps the base's sampling settings)."""
     generation_config = GenerationConfig.from_dict(base.to_dict())
+    generation_config._from_model_config = False  # else loading it back would drop the fields added here
     generation_config.do_sample = do_sample
     if not do_sample:  # the base's sampling settings would only apply when sampling (and fail validation)
         for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from tiny import ARCHITECTURES, tiny_backbone, tiny_tokenizer
+from transformers import GenerationConfig
 
 from finetune.convert import convert_to_refusion, main, save_refusion
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
@@ -83,6 +84,8 @@ def test_saved_folder_is_complete_and_safetensors_only(tmp_path):
     assert json.loads((output_dir / "tokenizer_config.json").read_text())["mask_token"] == "<|mask|>"
     generation = json.loads((output_dir / "generation_config.json").read_text())
     assert {*DECODING_DEFAULTS, "mask_token_id"} <= generation.keys()
+    reloaded = GenerationConfig.from_pretrained(output_dir)  # a base config made from the model config keeps them too
+    assert (reloaded.slot_size, reloaded.mask_token_id) == (DECODING_DEFAULTS["slot_size"], model.config.mask_token_id)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["refusion"]  # no staging folder left behind
 
 
