@@ -29,11 +29,16 @@ def model():
     return sharpened_model("qwen3", scale=4.0)
 
 
+def frequent_token_of(model, skip: int = 0) -> int:
+    """A token the model produces often (after the first `skip` answer tokens), used as EOS so that answers end
+    early."""
+    answer = model.generate(PROMPT, max_new_tokens=24, slot_size=4, eos_token_id=[])[0, PROMPT.shape[1] :]
+    return int(answer[skip:].mode().values)
+
+
 @pytest.fixture(scope="module")
 def frequent_token(model):
-    """A token the model produces often, used as EOS so that answers end early."""
-    answer = model.generate(PROMPT, max_new_tokens=24, slot_size=4, eos_token_id=[])[0, PROMPT.shape[1] :]
-    return int(answer[4:].mode().values)
+    return frequent_token_of(model, skip=4)
 
 
 def check_well_formed(sequences, prompt, max_new_tokens, eos, pad, mask):

@@ -26,7 +26,7 @@ import itertools
 
 import pytest
 import torch
-from test_generation import PROMPT, sharpened_model
+from test_generation import PROMPT, frequent_token_of, sharpened_model
 
 NEG = -1e30
 
@@ -179,9 +179,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def frequent_token(model):
-    """A token the model often produces, used as EOS so that some answers end early."""
-    answer = model.generate(PROMPT, max_new_tokens=24, slot_size=4, eos_token_id=[])[0, PROMPT.shape[1] :]
-    return int(answer.mode().values)
+    return frequent_token_of(model)
 
 
 GRID = list(itertools.product((2, 4, 8), (0.0, 0.5, 0.9), (0.1, 0.4, 0.8), (1, 2)))
