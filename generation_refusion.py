@@ -380,9 +380,6 @@ class Queries:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def head(self, count: int) -> "Queries":
-        return Queries(*(getattr(self, name)[:count] for name in self.__dataclass_fields__))
-
 
 @dataclass(frozen=True)
 class Request:
@@ -575,12 +572,13 @@ class SlotDecoder:
         if self.settings.infill_mode == "reference":
             if leading:  # the other chosen slots return to [MASK] and are planned again
                 return None
-            return Infilling(chosen, tokens, accepted, counts * 0, groups, len(self.record))
+            return Infilling(chosen, tokens, accepted, torch.zeros_like(counts), groups, len(self.record))
         redrafts = tokens[rest] if self.settings.fused_redraft else ar_tokens[rest]  # fused: keep the plan's drafts
         new_tokens, new_counts = accept_and_correct(
             tokens[rest], counts[rest], ar_probability[rest], ar_tokens[rest], redrafts, self.settings.token_threshold
         )
-        return self._settle(Infilling(chosen[rest], new_tokens, new_counts, counts[rest] * 0, groups, len(self.record)))
+        stored = torch.zeros_like(new_counts)
+        return self._settle(Infilling(chosen[rest], new_tokens, new_counts, stored, groups, len(self.record)))
 
     def infill_fast(self, state: Infilling):
         """Complete the slots in parallel, one forward a round: `[fresh accepted tokens | MASK queries (fused) |
