@@ -160,15 +160,16 @@ def refusion_generation_config(
     decoding: dict,
     do_sample: bool = False,
 ) -> GenerationConfig:
-    """The base model's generation defaults plus ReFusion's decoding parameters (all of them, validated), its
-    special tokens, and greedy decoding unless `do_sample` (which keeps the base's sampling settings)."""
+    """The base model's generation defaults plus ReFusion's `decoding` parameters (all of them, as `check_decoding`
+    returns them), its special tokens, and greedy decoding unless `do_sample` (which keeps the base's sampling
+    settings)."""
     generation_config = GenerationConfig.from_dict(base.to_dict())
     generation_config._from_model_config = False  # else loading it back would drop the fields added here
     generation_config.do_sample = do_sample
     if not do_sample:  # the base's sampling settings would only apply when sampling (and fail validation)
         for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
             setattr(generation_config, name, None)
-    for name, value in check_decoding(decoding).items():
+    for name, value in decoding.items():
         setattr(generation_config, name, value)
     generation_config.mask_token_id = mask_token_id
     if generation_config.eos_token_id is None:
@@ -190,6 +191,18 @@ def to_native(model: RefusionForCausalLM) -> PreTrainedModel:
     return native.eval()
 
 
+def save_model(model: RefusionForCausalLM, folder: str | os.PathLike, format: str = "refusion") -> None:
+    """`save_pretrained` in `format` ("refusion": our class; "native": the backbone's own); both carry the decoder
+    in `custom_generate/` (our class writes it itself)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
+    if format == "native":
+        to_native(model).save_pretrained(folder)
+        write_custom_generate(folder)
+    else:
+        model.save_pretrained(folder)
+
+
 def save_refusion(
     model: RefusionForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
@@ -200,14 +213,13 @@ def save_refusion(
     complete. `format="refusion"`: our class (its code and `auto_map`; the hybrid loss for further training);
     `"native"`: the backbone's own class and `config.json`, which every engine that serves the backbone loads, and
     which decodes with ReFusion when loaded with `trust_remote_code=True`."""
-    if format not in FORMATS:
+    if format not in FORMATS:  # before any file is written
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
-        (to_native(model) if format == "native" else model).save_pretrained(staging)
-        write_custom_generate(staging)
+        save_model(model, staging, format)
         tokenizer.save_pretrained(staging)
         if output_dir.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))

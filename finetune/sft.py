@@ -38,11 +38,10 @@ from transformers import AutoTokenizer, BitsAndBytesConfig, PretrainedConfig, Pr
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser, get_peft_config, get_quantization_config
 
-from finetune.convert import FORMATS, convert_to_refusion, load_causal_lm, to_native
+from finetune.convert import FORMATS, convert_to_refusion, load_causal_lm, save_model
 from finetune.data import OVERLONG_POLICIES, PreparedData, load_rows, prepare_dataset
 from finetune.hybrid import HybridObjectiveCollator
 from finetune.model_card import TrainingSummary, render_model_card
-from generation_refusion import write_custom_generate
 from modeling_refusion import RefusionForCausalLM
 
 logger = logging.getLogger("finetune.sft")
@@ -433,8 +432,7 @@ def save_outputs(
     model = merged_model(trainer, staging, model_args, refusion_args)
     if model is not None:
         model.config.use_cache = True  # the Trainer turned it off for training; the published model generates
-        (to_native(model) if refusion_args.format == "native" else model).save_pretrained(staging)
-        write_custom_generate(staging)
+        save_model(model, staging, refusion_args.format)
         tokenizer.save_pretrained(staging)
         summary = training_summary(trainer, script_args, model_args, rows)
         summary.format = refusion_args.format

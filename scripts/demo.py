@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from finetune.convert import save_refusion
 from generation_refusion import DECODING_FIELDS
 from recipe.decoding import chat_prompt_ids, decode
-from recipe.model import SHIPPED_ADAPTER, load_base, shipped_decoding, with_adapter
+from recipe.model import SHIPPED_ADAPTER, load_base, with_adapter
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
     "What is the capital of Japan?",
@@ -43,7 +43,7 @@ def main() -> None:
         f"({time.perf_counter() - start:.1f} s)"
     )
     start = time.perf_counter()
-    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter, shipped_decoding())
+    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)  # the recipe config's decoding defaults
     print(f"[adapter] converted to ReFusion with {args.adapter} merged ({time.perf_counter() - start:.1f} s)")
     output_dir = save_refusion(model, refusion_tokenizer, args.output_dir)
     del model
