@@ -33,6 +33,8 @@ class RefusionConfig(PreTrainedConfig):
             Slot sizes drawn from, one per example, by the hybrid training objective.
         mask_eps (`float`, defaults to 1e-3):
             Smallest noise level of the masked-diffusion loss: `p = (1 - eps) * t + eps`.
+        mdm_loss_weight (`float`, defaults to 1.0):
+            Weight of the masked-diffusion term in the hybrid loss: `ar_loss + mdm_loss_weight * mdm_loss`.
     """
 
     model_type = "refusion"
@@ -42,6 +44,7 @@ class RefusionConfig(PreTrainedConfig):
     mask_token_id: int | None = None
     train_slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     mask_eps: float = 1e-3
+    mdm_loss_weight: float = 1.0
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -71,6 +74,8 @@ class RefusionConfig(PreTrainedConfig):
             )
         if not 0.0 < self.mask_eps < 1.0:
             raise ValueError(f"mask_eps must lie in (0, 1), got {self.mask_eps}.")
+        if not self.mdm_loss_weight > 0.0:
+            raise ValueError(f"mdm_loss_weight must be positive, got {self.mdm_loss_weight}.")
 
 
 def _unsupported_message(model_type: str) -> str:

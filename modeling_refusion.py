@@ -53,8 +53,9 @@ def refusion_hybrid_loss(
     is_masked: torch.BoolTensor,
     noise_level: torch.Tensor,
     response_length: torch.Tensor,
+    mdm_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return `(ar_loss + mdm_loss, ar_loss, mdm_loss)` for an aligned hybrid-objective batch.
+    """Return `(ar_loss + mdm_weight * mdm_loss, ar_loss, mdm_loss)` for an aligned hybrid-objective batch.
 
     `labels` are already aligned with `logits` (no shift): inside a clean slot a token's label is the next
     token of that slot, at a `[MASK]` position it is the original token there, elsewhere `IGNORE_INDEX`.
@@ -73,7 +74,7 @@ def refusion_hybrid_loss(
     weight = 1.0 / (noise_level.to(loss_dtype) * response_length.to(loss_dtype).clamp(min=1))
     token_weight = weight[:, None].expand_as(labels)[labelled]
     mdm_loss = torch.where(masked, token_loss * token_weight, 0.0).sum() / labels.shape[0]
-    return ar_loss + mdm_loss, ar_loss, mdm_loss
+    return ar_loss + mdm_weight * mdm_loss, ar_loss, mdm_loss
 
 
 class RefusionPreTrainedModel(PreTrainedModel):
@@ -162,7 +163,9 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
 
         loss = ar_loss = mdm_loss = None
         if labels is not None:
-            loss, ar_loss, mdm_loss = refusion_hybrid_loss(logits, labels, is_masked, noise_level, response_length)
+            loss, ar_loss, mdm_loss = refusion_hybrid_loss(
+                logits, labels, is_masked, noise_level, response_length, self.config.mdm_loss_weight
+            )
 
         return RefusionCausalLMOutput(
             loss=loss,

@@ -21,6 +21,9 @@ setup(
     python_requires=">=3.10",
     py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion"],
     packages=find_packages(include=["finetune", "finetune.*", "refusion_eval", "recipe"]),
+    # The default model's recipe configs, adapter, distilled data and training history, so that an installed
+    # (not only editable) package runs the demo.
+    package_data={"recipe": ["*.yaml", "artifacts/*/*.*", "artifacts/*/adapter/*"]},
     install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
     extras_require={"train": TRAIN, "gguf": GGUF, "eval": EVAL, "demo": DEMO, "bench": BENCH, "test": TEST},
     entry_points={

@@ -1,6 +1,6 @@
 """Decoding mechanics benchmark: ReFusion generate() vs the base model's own generate() on SmolLM2-135M.
 
-    python benchmarks/decode.py [--max_new_tokens 64] [--device cpu] [--dtype float32] [--batch_sizes 1 4 8 16]
+    python -m benchmarks.decode [--max_new_tokens 64] [--device cpu] [--dtype float32] [--batch_sizes 1 4 8 16]
 
 The converted model is untrained (its [MASK] embedding is the mean embedding), so drafts are poor and this
 measures mechanics, not quality: tokens/s, model forwards, tokens per forward, and the share of wall time spent
@@ -14,13 +14,14 @@ import gc
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from finetune.convert import convert_to_refusion, load_causal_lm
-from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+from finetune.convert import convert_to_refusion
+from finetune.data import prompt_token_ids
+from recipe.decoding import DecodeRun, decode
+from recipe.model import load_base, shipped_decoding
 
 PROMPTS = [
     "What is the capital of France?",
@@ -40,84 +41,40 @@ PROMPTS = [
     "Describe a cat in three words.",
     "What is the largest planet in our solar system?",
 ]
-BATCH_SETTING = "slot 8, thresholds 0.8/0.3"
-SETTINGS = {
-    "slot 8, thresholds 0/0 (all parallel)": dict(
-        slot_size=8, block_length=64, slot_threshold=0.0, token_threshold=0.0
-    ),
-    "slot 8, thresholds 0.8/0.3": dict(slot_size=8, block_length=32, slot_threshold=0.8, token_threshold=0.3),
-    "slot 4, thresholds 0.8/0.3": dict(slot_size=4, block_length=32, slot_threshold=0.8, token_threshold=0.3),
-    "slot 8, thresholds 1/1 (serial)": dict(slot_size=8, block_length=32, slot_threshold=1.0, token_threshold=1.0),
+SETTINGS = {  # name -> changes from the shipped model's decoding defaults (recipe/smollm2.yaml, `decoding`)
+    "shipped default": {},
+    "thresholds 0/0 (all parallel)": dict(slot_threshold=0.0, token_threshold=0.0, block_length=64),
+    "slot 8": dict(slot_size=8),
+    "slot 4": dict(slot_size=4),
+    "thresholds 1/1 (serial)": dict(slot_threshold=1.0, token_threshold=1.0),
 }
+BATCH_SETTING = "shipped default"
 
 
-class ForwardTimer:
-    """Counts model forwards and the wall time spent inside them (forward hooks on the top module)."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.device, self.seconds, self.calls, self._start = device, 0.0, 0, 0.0
-        model.register_forward_pre_hook(self._before)
-        model.register_forward_hook(self._after)
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def _before(self, *_) -> None:
-        self._synchronize()
-        self._start = time.perf_counter()
-
-    def _after(self, *_) -> None:
-        self._synchronize()
-        self.seconds += time.perf_counter() - self._start
-        self.calls += 1
+def settings(name: str) -> dict:
+    return {**shipped_decoding(), **SETTINGS[name]}
 
 
-def encode(tokenizer, prompt: str, device) -> torch.Tensor:
-    messages = [{"role": "user", "content": prompt}]
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return encoded["input_ids"].to(device)
-
-
-def left_padded_batches(tokenizer, prompts: list[str], device) -> list[dict]:
-    """One left-padded batch of chat-formatted prompts."""
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
-    tokenizer.padding_side = "left"
-    return [tokenizer(texts, return_tensors="pt", padding=True).to(device)]
-
-
-def measure(model, timer, inputs, generate_kwargs, eos_token_id) -> dict:
-    """Decode every input (a tensor of ids, or a dict with `input_ids` and `attention_mask`) and time it."""
-    timer.seconds, timer.calls = 0.0, 0
-    tokens, start = 0, time.perf_counter()
-    for batch in inputs:
-        batch = dict(batch) if not isinstance(batch, torch.Tensor) else {"input_ids": batch}
-        output = model.generate(**batch, do_sample=False, eos_token_id=eos_token_id, **generate_kwargs)
-        tokens += output[:, batch["input_ids"].shape[1] :].numel()
-    wall = time.perf_counter() - start
+def figures(run: DecodeRun) -> dict:
     return {
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "forwards": timer.calls,
-        "tokens_per_forward": tokens / timer.calls,
-        "forward_share": timer.seconds / wall,
+        "tokens_per_s": run.tokens_per_second,
+        "forwards": run.forwards,
+        "tokens_per_forward": run.tokens_per_forward,
+        "forward_share": 1.0 - run.orchestration,
     }
 
 
 def memory_probe(settings_name: str, max_new_tokens: int) -> None:
     """Run one decoding setting in this (fresh) process and print its peak RSS in MB."""
-    model, tokenizer = convert_to_refusion(*load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF))
+    model, tokenizer = convert_to_refusion(*load_base())
     # A long prompt (~2000 tokens, ~90 MB of KV cache) so that a per-slot copy of the cache would show.
     context = " ".join(PROMPTS * 14)
-    input_ids = encode(tokenizer, f"{context}\n\nAnswer the first question: {PROMPTS[0]}", "cpu")
+    prompt = f"{context}\n\nAnswer the first question: {PROMPTS[0]}"
+    input_ids = torch.tensor(prompt_token_ids(tokenizer, [prompt]))
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM) left by loading
     baseline = memory_kb("VmRSS")
-    model.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=[], **SETTINGS[settings_name])
+    model.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=[], **settings(settings_name))
     peak = memory_kb("VmHWM")
     print(json.dumps({"peak_mb": peak / 1024, "decode_growth_mb": (peak - baseline) / 1024}))
 
@@ -142,30 +99,31 @@ def main() -> None:
         return memory_probe(args.memory_probe, args.max_new_tokens)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    base, tokenizer = load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF)
-    base_timer = ForwardTimer(base.to(device, dtype), device)
-    prompts = [encode(tokenizer, prompt, device) for prompt in PROMPTS]
-    rows = {}
+    base, tokenizer = load_base()
+    base = base.to(device, dtype)
+    prompts = prompt_token_ids(tokenizer, PROMPTS)
     single_prompts = prompts[:4]
     # No EOS: every method writes exactly max_new_tokens, so throughput compares like with like.
-    ar_kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens)
-    measure(base, base_timer, single_prompts[:1], ar_kwargs, tokenizer.eos_token_id)  # warm-up
-    rows["base generate() (AR, greedy)"] = measure(base, base_timer, single_prompts, ar_kwargs, tokenizer.eos_token_id)
+    fixed = dict(eos_token_id=[], min_new_tokens=args.max_new_tokens)
+    decode(base, tokenizer, single_prompts[:1], 4)  # warm-up
+    ar = decode(base, tokenizer, single_prompts, args.max_new_tokens, **fixed)
+    rows = {"base generate() (AR, greedy)": figures(ar)}
     batched_rows = {}
+    batch_fixed = dict(eos_token_id=[], min_new_tokens=args.batch_new_tokens)
     for batch_size in args.batch_sizes:
-        batch = left_padded_batches(tokenizer, PROMPTS[:batch_size], device)
-        kwargs = dict(max_new_tokens=args.batch_new_tokens, min_new_tokens=args.batch_new_tokens)
-        batched_rows[("base generate()", batch_size)] = measure(base, base_timer, batch, kwargs, tokenizer.eos_token_id)
+        run = decode(base, tokenizer, prompts[:batch_size], args.batch_new_tokens, batch_size, **batch_fixed)
+        batched_rows[("base generate()", batch_size)] = figures(run)
 
     model, tokenizer = convert_to_refusion(base, tokenizer)
-    timer = ForwardTimer(model, device)
-    for name, settings in SETTINGS.items():
-        kwargs = dict(max_new_tokens=args.max_new_tokens, **settings)
-        rows[f"ReFusion {name}"] = measure(model, timer, single_prompts, kwargs, [])
+    for name in SETTINGS:
+        run = decode(model, tokenizer, single_prompts, args.max_new_tokens, eos_token_id=[], **settings(name))
+        rows[f"ReFusion {name}"] = figures(run)
     for batch_size in args.batch_sizes:
-        batch = left_padded_batches(tokenizer, PROMPTS[:batch_size], device)
-        kwargs = dict(max_new_tokens=args.batch_new_tokens, **SETTINGS[BATCH_SETTING])
-        batched_rows[(f"ReFusion {BATCH_SETTING}", batch_size)] = measure(model, timer, batch, kwargs, [])
+        batch = prompts[:batch_size]
+        run = decode(
+            model, tokenizer, batch, args.batch_new_tokens, batch_size, eos_token_id=[], **settings(BATCH_SETTING)
+        )
+        batched_rows[(f"ReFusion {BATCH_SETTING}", batch_size)] = figures(run)
 
     setup = f"batch 1, {args.device}, {args.dtype}"
     print(f"\nDecoding {len(single_prompts)} prompts x {args.max_new_tokens} new tokens, {setup}\n")
@@ -189,8 +147,9 @@ def main() -> None:
     print("\nPeak RSS while decoding a ~2000-token prompt (fresh process each)\n")
     print("| setting | chosen slots per step | peak RSS during decode MB | growth over the loaded model MB |")
     print("| --- | ---: | ---: | ---: |")
-    for name, chosen in (("slot 8, thresholds 1/1 (serial)", 1), ("slot 8, thresholds 0/0 (all parallel)", 8)):
-        command = [sys.executable, __file__, "--memory_probe", name, "--max_new_tokens", "64"]
+    for name in ("thresholds 1/1 (serial)", "thresholds 0/0 (all parallel)"):
+        chosen = 1 if name.endswith("(serial)") else settings(name)["block_length"] // settings(name)["slot_size"]
+        command = [sys.executable, "-m", "benchmarks.decode", "--memory_probe", name, "--max_new_tokens", "64"]
         result = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
         print(f"| {name} | {chosen} | {result['peak_mb']:.0f} | {result['decode_growth_mb']:.0f} |")
 

@@ -1,44 +1,43 @@
 """Quality against speed: the recipe's ReFusion SmolLM2 vs the base model's autoregressive generate(), side by side.
 
-    python benchmarks/quality_speed.py [--prompts 32] [--max_new_tokens 64] [--adapter recipe/artifacts/smollm2/adapter]
-        [--checkpoints outputs/recipe-smollm2/refusion/checkpoint-62 ...] [--device cpu] [--dtype float32]
+    python -m benchmarks.quality_speed [--prompts 32] [--max_new_tokens 64] [--adapter recipe/artifacts/smollm2/adapter]
+        [--checkpoints outputs/recipe-smollm2/stage-2/refusion/checkpoint-62 ...] [--device cpu] [--dtype float32]
         [--output_dir benchmarks/results/smollm2-cpu]
 
 Same held-out prompts (never trained on), same weights, one run. Decoders: the base model's greedy generate()
 (the AR teacher), the converted model decoded token by token with transformers' generate() (what the adapter costs,
-apart from the decoding order), ReFusion over a grid around a centre setting (infill mode fast / reference / fast
-with the fused MDM redraft; slot sizes 4-32; block lengths 16-64; slot thresholds 0.3-0.9; token thresholds
-0.1-0.9), and the token-level ablation (slot size 1). Per decoder: tokens/s and speed-up over AR at batch 1 (and at
-batch 8 for AR and the chosen setting), forwards, tokens per forward by our definition (committed / forwards) and
-by the authors' (mean per-step ratio), the share of time outside model forwards, generative perplexity under the
-base model, agreement with the teacher's answer (exact match, word F1), and accuracy on the verifiable prompts the
-teacher answers correctly. The chosen setting is the fastest one within 5% of AR on word F1 (against the converted
-model's own AR decoding) and generative perplexity, else the best word F1 at >= 1 token per forward. With
+apart from the decoding order), ReFusion over a grid around the shipped decoding setting (infill mode fast /
+reference / fast with the fused MDM redraft; slot sizes 4-32; block lengths 16-64; slot thresholds 0.3-0.8; token
+thresholds 0.1-0.9), and the token-level ablation (slot size 1). Every decoder is scored by
+`recipe.evaluate.Evaluation`: tokens/s and speed-up over AR at batch 1 (and at batch 8 for AR and the chosen
+setting), forwards, tokens per forward by our definition (committed / forwards) and by the authors' (mean per-step
+ratio), the share of time outside model forwards, generative perplexity under the base model, agreement with the
+teacher's answer (exact match, word F1), and accuracy on the verifiable prompts the teacher answers correctly.
+The chosen setting is the fastest one within 5% of AR on word F1 (against the converted model's own AR decoding)
+and generative perplexity, else the best word F1 at >= 1 token per forward. With
 `--checkpoints`, the chosen setting is also measured after each saved fraction of the training. Writes
 `results.json`, `results.md` and `quality_vs_speed.png` into `--output_dir`.
 """
 
 import argparse
 import json
-import platform
 import re
 import time
 from pathlib import Path
 
 import torch
 
-from recipe.decoding import DecodeRun, chat_prompt_ids, decode
-from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, token_f1
-from recipe.model import SHIPPED_ADAPTER, load_base, with_adapter
-from recipe.prompts import Prompt, build_prompts, interleave_kinds, split_prompts
+from recipe.decoding import DecodeRun, decode
+from recipe.evaluate import Evaluation
+from recipe.model import SHIPPED_ADAPTER, load_base, shipped_decoding, with_adapter
 
-CENTRE = dict(slot_size=8, block_length=32, slot_threshold=0.8, token_threshold=0.3, infill_mode="fast")
+CENTRE = shipped_decoding()  # the shipped model's generation defaults (recipe/smollm2.yaml, `decoding`)
 VARIATIONS = {  # name -> changes from CENTRE; one knob at a time, plus the authors' own default
-    "fast": {},
+    "shipped default": {},
     "reference": dict(infill_mode="reference"),
-    "fast + fused redraft": dict(fused_redraft=True),
+    "fused redraft": dict(fused_redraft=True),
     "slot 4": dict(slot_size=4),
-    "slot 16": dict(slot_size=16),
+    "slot 8": dict(slot_size=8),
     "slot 32": dict(slot_size=32),
     "block 16": dict(block_length=16),
     "block 64": dict(block_length=64),
@@ -46,13 +45,12 @@ VARIATIONS = {  # name -> changes from CENTRE; one knob at a time, plus the auth
     "slot thr 0.3": dict(slot_threshold=0.3),
     "token thr 0.1": dict(token_threshold=0.1),
     "token thr 0.9": dict(token_threshold=0.9),
-    "slot 16 + fused redraft": dict(slot_size=16, fused_redraft=True),
-    "slot 16, 0.5/0.1": dict(slot_size=16, slot_threshold=0.5, token_threshold=0.1),
-    "slot 32, 0.5/0.1": dict(slot_size=32, slot_threshold=0.5, token_threshold=0.1),
+    "slot thr 0.5, token thr 0.1": dict(slot_threshold=0.5, token_threshold=0.1),
+    "slot 8 + fused redraft": dict(slot_size=8, fused_redraft=True),
     "reference, slot 4, block 16, 0.6/0.3 (authors')": dict(
         infill_mode="reference", slot_size=4, block_length=16, slot_threshold=0.6
     ),
-    "slot 1 (tokens), 0.5": dict(slot_size=1, slot_threshold=0.5, block_length=32),
+    "slot 1 (tokens), 0.5": dict(slot_size=1, slot_threshold=0.5),
 }
 GRID = {name: {**CENTRE, **change} for name, change in VARIATIONS.items()}
 AR = "AR: base generate()"
@@ -75,53 +73,6 @@ def choose_setting(rows: list[dict], reference: dict) -> tuple[str, str]:
     if parallel:
         return max(parallel, key=lambda row: row["token_f1"])["name"], "best word F1 at >= 1 token per forward"
     return max(candidates, key=lambda row: row["token_f1"])["name"], "best word F1 (none reaches 1 token/forward)"
-
-
-def benchmark_prompts(count: int) -> list[Prompt]:
-    """`count` held-out prompts: half verifiable (factual, arithmetic), half open-ended, kinds interleaved."""
-    _, held_out = split_prompts(build_prompts())
-    verifiable = interleave_kinds([p for p in held_out if p.reference is not None])
-    open_ended = interleave_kinds([p for p in held_out if p.reference is None])
-    return verifiable[: count // 2] + open_ended[: count - count // 2]
-
-
-def quality(run: DecodeRun, teacher: DecodeRun, prompts: list[Prompt], tokenizer, scores, correct: list[int]) -> dict:
-    """The quality metrics of `run` against the AR `teacher` (`scores`: the base model's NLL of each answer)."""
-    texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in run.answers]
-    references = [tokenizer.decode(answer, skip_special_tokens=True) for answer in teacher.answers]
-    verifiable = [i for i, p in enumerate(prompts) if p.reference is not None]
-    return {
-        "generative_perplexity": perplexity(scores),
-        "exact_match": sum(exact_match(t, r) for t, r in zip(texts, references)) / len(texts),
-        "token_f1": sum(token_f1(t, r) for t, r in zip(texts, references)) / len(texts),
-        "accuracy_where_ar_correct": (
-            sum(contains_reference(texts[i], prompts[i].reference) for i in correct) / len(correct) if correct else None
-        ),
-        "accuracy_verifiable": sum(contains_reference(texts[i], prompts[i].reference) for i in verifiable)
-        / max(len(verifiable), 1),
-    }
-
-
-def fastest(runs: list[DecodeRun]) -> DecodeRun:
-    """The quickest of repeated runs: greedy decoding gives the same answers every time, a busy machine only adds
-    time."""
-    if any(run.answers != runs[0].answers for run in runs):
-        raise RuntimeError("Repeated greedy runs gave different answers.")
-    return min(runs, key=lambda run: run.seconds)
-
-
-def speed(run: DecodeRun, ar_tokens_per_second: float) -> dict:
-    steps = run.step_tokens_per_forward
-    return {
-        "tokens": run.tokens,
-        "seconds": run.seconds,
-        "tokens_per_second": run.tokens_per_second,
-        "speedup": run.tokens_per_second / ar_tokens_per_second,
-        "forwards": run.forwards,
-        "tokens_per_forward": run.tokens_per_forward,
-        "step_tokens_per_forward": sum(steps) / len(steps) if steps else None,
-        "orchestration": run.orchestration,
-    }
 
 
 def markdown(results: dict) -> str:
@@ -225,68 +176,46 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     base, tokenizer = load_base()
+    base = base.to(args.device, dtype).eval()
+    evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
     model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)
-    base, model = base.to(args.device, dtype).eval(), model.to(args.device, dtype)
-    prompts = benchmark_prompts(args.prompts)
-    prompt_ids = chat_prompt_ids(tokenizer, [p.text for p in prompts])
-    base_vocab = base.get_input_embeddings().num_embeddings
+    model = model.to(args.device, dtype)
+    decode(model, refusion_tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
 
-    for warm_up in (base, model):  # first calls pay one-off costs (allocations, kernel selection)
-        decode(warm_up, refusion_tokenizer, prompt_ids[:1], max_new_tokens=8)
-
-    def measure(name: str, kind: str, run: DecodeRun, batch_size: int, ar: dict | None, teacher: DecodeRun) -> dict:
-        if any(token >= base_vocab for answer in run.answers for token in answer):
-            raise RuntimeError(f"{name}: an answer holds a token outside the base vocabulary (a [MASK]?).")
-        scores = answer_nll(base, prompt_ids, run.answers)
-        row = {"name": name, "kind": kind, "batch_size": batch_size}
-        row |= speed(run, ar["tokens_per_second"] if ar else run.tokens_per_second)
-        row |= quality(run, teacher, prompts, tokenizer, scores, correct)
+    def scored(name: str, kind: str, run: DecodeRun, batch_size: int = 1) -> dict:
+        row = evaluation.row(name, kind, run, batch_size)
+        outputs.setdefault(name, evaluation.texts(run, refusion_tokenizer))
         print(
-            f"[{time.strftime('%H:%M:%S')}] "
-            + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            f"[{time.strftime('%H:%M:%S')}] {name}, batch {batch_size}: "
+            f"{row['tokens_per_forward']:.2f} tokens/forward, {row['speedup']:.2f}x AR, "
+            f"F1 {row['token_f1']:.2f}, PPL {row['generative_perplexity']:.2f}",
             flush=True,
         )
         return row
 
-    def timed(*decode_args, **decode_kwargs) -> DecodeRun:
-        return fastest([decode(*decode_args, **decode_kwargs) for _ in range(args.repeats)])
-
-    teacher = timed(base, tokenizer, prompt_ids, args.max_new_tokens)
-    teacher_texts = [tokenizer.decode(answer, skip_special_tokens=True) for answer in teacher.answers]
-    correct = [i for i, p in enumerate(prompts) if p.reference and contains_reference(teacher_texts[i], p.reference)]
-    ar_row = measure(AR, "ar", teacher, 1, None, teacher)
-    rows = [ar_row]
-    outputs = {AR: teacher_texts}
+    outputs = {AR: evaluation.teacher_texts}
+    rows = [evaluation.ar_row]
     mask = [model.config.mask_token_id]  # never proposed by ReFusion either
-    converted = timed(
-        model, refusion_tokenizer, prompt_ids, args.max_new_tokens, autoregressive=True, suppress_tokens=mask
-    )
-    rows.append(converted_row := measure(CONVERTED_AR, "ar", converted, 1, ar_row, teacher))
-    outputs[CONVERTED_AR] = [refusion_tokenizer.decode(a, skip_special_tokens=True) for a in converted.answers]
+    converted = evaluation.timed(model, refusion_tokenizer, autoregressive=True, suppress_tokens=mask)
+    rows.append(converted_row := scored(CONVERTED_AR, "ar", converted))
     for name in args.settings:
         kind = "tokens" if GRID[name]["slot_size"] == 1 else "slots"
-        run = timed(model, refusion_tokenizer, prompt_ids, args.max_new_tokens, **GRID[name])
-        rows.append(measure(name, kind, run, 1, ar_row, teacher))
-        outputs[name] = [refusion_tokenizer.decode(answer, skip_special_tokens=True) for answer in run.answers]
+        rows.append(scored(name, kind, evaluation.timed(model, refusion_tokenizer, **GRID[name])))
     chosen, reason = choose_setting(rows, converted_row)
     if args.batch8:
-        ar8 = timed(base, tokenizer, prompt_ids, args.max_new_tokens, batch_size=8)
-        rows.append(ar8_row := measure(AR, "ar", ar8, 8, None, teacher))
-        run = timed(model, refusion_tokenizer, prompt_ids, args.max_new_tokens, batch_size=8, **GRID[chosen])
-        rows.append(measure(chosen, "slots", run, 8, ar8_row, teacher))
+        rows.append(evaluation.ar_row_at(8))
+        run = evaluation.timed(model, refusion_tokenizer, batch_size=8, **GRID[chosen])
+        rows.append(scored(chosen, "slots", run, 8))
 
     progress = []
     for checkpoint in args.checkpoints:
         step = int(re.search(r"(\d+)$", Path(checkpoint).name.rstrip("/")).group(1))
-        adapted = with_adapter(base, tokenizer, checkpoint)[0].to(args.device, dtype)
-        run = decode(adapted, refusion_tokenizer, prompt_ids, args.max_new_tokens, **GRID[chosen])
-        progress.append({**measure(Path(checkpoint).name, "slots", run, 1, ar_row, teacher), "step": step})
-        del adapted
+        row = evaluation.adapter_rows(Path(checkpoint).name, checkpoint, converted_ar=False, **GRID[chosen])
+        progress.append({**row["refusion"], "step": step})
 
+    prompts = evaluation.prompts
     results = {
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads"
-        if args.device == "cpu"
-        else torch.cuda.get_device_name(args.device),
+        "machine": evaluation.machine,
         "device": args.device,
         "dtype": args.dtype,
         "torch": torch.__version__,
@@ -294,7 +223,7 @@ def main() -> None:
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "adapter": args.adapter,
-        "ar_correct": len(correct),
+        "ar_correct": len(evaluation.correct),
         "chosen": chosen,
         "chosen_reason": reason,
         "chosen_settings": GRID[chosen],

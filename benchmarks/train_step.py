@@ -1,6 +1,6 @@
 """Training-step cost of the hybrid objective against plain TRL SFT, same model, same examples (SmolLM2-135M, LoRA).
 
-    python benchmarks/train_step.py [--batch_size 8] [--prompt_tokens 32] [--response_tokens 96] [--steps 5]
+    python -m benchmarks.train_step [--batch_size 8] [--prompt_tokens 32] [--response_tokens 96] [--steps 5]
 
 Both sides are `SFTTrainer.training_step` (forward + backward) on the same LoRA-wrapped SmolLM2-135M and the same
 prompt/response token ids: plain SFT through TRL's own data preparation, collator and fused next-token loss;
@@ -20,10 +20,10 @@ from peft import LoraConfig
 from transformers import PreTrainedModel
 from trl import SFTConfig, SFTTrainer
 
-from finetune.convert import convert_to_refusion, load_causal_lm
+from finetune.convert import convert_to_refusion
 from finetune.hybrid import HybridObjectiveCollator
-from finetune.sft import RefusionSFTTrainer
-from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+from finetune.trainer import RefusionSFTTrainer
+from recipe.model import load_base
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,7 +96,7 @@ def batches_per_second(collate, features: list[dict], budget: float) -> float:
 
 def main() -> None:
     args = parse_args()
-    gguf_model, tokenizer = load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF)
+    gguf_model, tokenizer = load_base()
     ar_model = unmarked_copy(gguf_model)
     refusion, tokenizer = convert_to_refusion(unmarked_copy(gguf_model), tokenizer)
     features = examples(len(tokenizer) - 1, args.batch_size, args.prompt_tokens, args.response_tokens)

@@ -34,6 +34,7 @@ from modeling_refusion import RefusionForCausalLM
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
+MASK_INITS = ("mean", "random")  # the row a newly added [MASK] token starts from
 FORMATS = ("refusion", "native")
 
 
@@ -76,14 +77,21 @@ def add_mask_token(
 
 
 @torch.no_grad()
-def _make_room_for_mask(model: PreTrainedModel, mask_token_id: int) -> None:
-    """Grow the embeddings if the mask id lies past them, and give the mask row the mean embedding."""
+def _make_room_for_mask(model: PreTrainedModel, mask_token_id: int, init: str = "mean") -> None:
+    """Grow the embeddings if the mask id lies past them, and give the mask row the mean embedding (`init="mean"`)
+    or a draw from a normal distribution with the rows' mean and spread (`"random"`, seeded: conversion is
+    reproducible)."""
     input_embeddings = model.get_input_embeddings()
     if mask_token_id >= input_embeddings.num_embeddings:
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
     known_rows = min(mask_token_id, input_embeddings.num_embeddings)
     for embedding in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
-        embedding[mask_token_id] = embedding[:known_rows].mean(dim=0)
+        rows = embedding[:known_rows]
+        row = rows.mean(dim=0)
+        if init == "random":
+            noise = torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+            row = row + noise.to(rows.device, rows.dtype) * rows.std(dim=0)
+        embedding[mask_token_id] = row
 
 
 def convert_to_refusion(
@@ -93,17 +101,18 @@ def convert_to_refusion(
     *,
     gguf_file: str | None = None,
     do_sample: bool = False,
+    mask_init: str = "mean",
     **kwargs,
 ) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
     """Wrap a causal LM (or a path/Hub id to load) as a `RefusionForCausalLM` sharing its modules.
 
     The mask token is `mask_token`, else the one the model's config records (`mask_token_id`, as the authors'
-    released checkpoint has), else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary (with the
-    mean embedding) only when missing, and an existing embedding row is never changed. The converted generation
-    config decodes greedily unless `do_sample=True` is passed, since ReFusion's thresholds are defined on greedy
-    drafts. `kwargs` set decoding defaults written to the generation config
-    (`slot_size`, `slot_threshold`, `token_threshold`, `block_length`, `infill_mode`, `fused_redraft`) and
-    `RefusionConfig` fields (`train_slot_sizes`, `mask_eps`). On ordinary left-to-right input the result computes
+    released checkpoint has), else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary only when
+    missing (its row: `mask_init`, the mean embedding or a random draw), and an existing row is never changed. The
+    converted generation config decodes greedily unless `do_sample=True` is passed, since ReFusion's thresholds are
+    defined on greedy drafts. `kwargs` set decoding defaults written to the generation config (`slot_size`,
+    `slot_threshold`, `token_threshold`, `block_length`, `infill_mode`, `fused_redraft`) and `RefusionConfig`
+    fields (`train_slot_sizes`, `mask_eps`, `mdm_loss_weight`). On ordinary left-to-right input the result computes
     the same logits as the base model over the base vocabulary.
     """
     if isinstance(model, (str, os.PathLike)):
@@ -119,8 +128,10 @@ def convert_to_refusion(
     if recorded is None:
         recorded = getattr(model.generation_config, "mask_token_id", None)
     mask_token_id, added = add_mask_token(tokenizer, mask_token, recorded)
+    if mask_init not in MASK_INITS:
+        raise ValueError(f"mask_init must be one of {MASK_INITS}, got {mask_init!r}.")
     if added or mask_token_id >= model.get_input_embeddings().num_embeddings:
-        _make_room_for_mask(model, mask_token_id)
+        _make_room_for_mask(model, mask_token_id, mask_init)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 

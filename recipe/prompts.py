@@ -16,6 +16,10 @@ CAPITALS = {
     "Canada": "Ottawa", "Egypt": "Cairo", "Kenya": "Nairobi", "Peru": "Lima", "Norway": "Oslo",
     "Greece": "Athens", "Portugal": "Lisbon", "Poland": "Warsaw", "Austria": "Vienna", "Ireland": "Dublin",
     "Sweden": "Stockholm", "Finland": "Helsinki", "Chile": "Santiago", "Cuba": "Havana", "Thailand": "Bangkok",
+    "Russia": "Moscow", "China": "Beijing", "India": "New Delhi", "Mexico": "Mexico City", "Argentina": "Buenos Aires",
+    "Belgium": "Brussels", "Denmark": "Copenhagen", "Hungary": "Budapest", "Turkey": "Ankara", "Vietnam": "Hanoi",
+    "Indonesia": "Jakarta", "Iran": "Tehran", "Colombia": "Bogota", "Morocco": "Rabat", "Ghana": "Accra",
+    "Nigeria": "Abuja", "Ethiopia": "Addis Ababa", "Iceland": "Reykjavik", "Scotland": "Edinburgh", "Wales": "Cardiff",
 }  # fmt: skip
 OPPOSITES = {
     "hot": "cold", "big": "small", "fast": "slow", "happy": "sad", "up": "down", "light": "dark",
@@ -25,6 +29,17 @@ OPPOSITES = {
 OPPOSITE_TEMPLATES = ["What is the opposite of '{}'?", "Give the antonym of the word '{}'."]
 LEGS = {"spider": "8", "dog": "4", "bird": "2", "ant": "6", "cat": "4", "horse": "4", "chicken": "2", "beetle": "6"}
 LEG_TEMPLATES = ["How many legs does a {} have?", "A {} has how many legs?"]
+COLOURS = {
+    "banana": "yellow", "grass": "green", "snow": "white", "coal": "black", "a ripe tomato": "red",
+    "a carrot": "orange", "the clear daytime sky": "blue", "a lemon": "yellow", "milk": "white", "a lime": "green",
+    "a strawberry": "red", "an orange": "orange", "chocolate": "brown", "a crow": "black", "a polar bear": "white",
+}  # fmt: skip
+COLOUR_TEMPLATES = ["What colour is {}?", "Name the usual colour of {}.", "{} is usually what colour?"]
+SOUNDS = {
+    "dog": "bark", "cat": "meow", "cow": "moo", "sheep": "baa", "duck": "quack", "lion": "roar", "owl": "hoot",
+    "snake": "hiss", "bee": "buzz", "horse": "neigh", "pig": "oink", "frog": "croak",
+}  # fmt: skip
+SOUND_TEMPLATES = ["What sound does a {} make?", "Which noise is a {} known for?"]
 TOPICS = [
     "photosynthesis", "gravity", "the water cycle", "electricity", "rainbows", "volcanoes", "the moon's phases",
     "tides", "evaporation", "magnets", "sound", "seasons", "clouds", "friction", "digestion", "recycling",
@@ -32,6 +47,10 @@ TOPICS = [
     "a thermometer", "the heart", "bees", "snow", "lightning", "a library", "a map", "the sun", "soil",
     "batteries", "bridges", "plants", "fossils", "deserts", "oceans", "rivers", "forests", "dinosaurs",
     "the alphabet", "a clock", "a bicycle", "exercise", "sleep", "teamwork",
+    "glaciers", "mountains", "stars", "planets", "the wheel", "paper", "glass", "steam engines", "airplanes",
+    "submarines", "rain", "fog", "hurricanes", "coral reefs", "butterflies", "frogs", "whales", "penguins",
+    "the skeleton", "muscles", "the brain", "teeth", "bread", "cheese", "honey", "music", "painting", "libraries",
+    "museums", "maps", "telescopes", "microscopes", "solar panels", "wind turbines", "email", "a keyboard",
 ]  # fmt: skip
 LIST_SUBJECTS = [
     "fruits", "vegetables", "colours", "animals that live in the sea", "musical instruments", "sports",
@@ -41,13 +60,21 @@ LIST_SUBJECTS = [
     "farm animals", "jobs in a hospital", "things that are cold", "things that fly", "hobbies", "desserts",
     "forms of transport", "parts of a tree", "things made of wood", "summer activities", "pets", "tools",
     "body parts", "famous rivers", "kinds of music", "things you can recycle", "school subjects", "drinks",
+    "vegetables that grow underground", "things in a bathroom", "ocean animals", "jungle animals", "cheeses",
+    "spices", "breakfast drinks", "garden tools", "things that are round", "things that are soft", "fabrics",
+    "metals", "gemstones", "trees", "nuts", "berries", "card games", "outdoor games", "kinds of boats",
+    "things that use electricity", "ways to stay healthy", "ways to be kind", "reasons to read books",
+    "things you see at the beach", "things you see in the sky", "rooms in a house", "parts of a car",
+    "things in a toolbox", "animals that hibernate", "night animals",
 ]  # fmt: skip
 LIST_TEMPLATES = [
     "List three {}.", "Name four {}.", "Give me five examples of {}.", "What are two {}?", "Write a short list of {}.",
+    "Can you name three {}?", "Make a bulleted list of four {}.", "Tell me three {}, one per line.",
 ]  # fmt: skip
 EXPLAIN_TEMPLATES = [
     "Explain {} in one sentence.", "What is {}?", "Describe {} to a child.", "Why is {} important?",
     "Give a short explanation of {}.", "Tell me one interesting fact about {}.",
+    "How does {} work?", "Write two sentences about {}.", "What should a student know about {}?",
 ]  # fmt: skip
 CAPITAL_TEMPLATES = [
     "What is the capital of {}?",
@@ -63,8 +90,12 @@ CODE_TASKS = [
     "joins two strings", "returns the last item of a list", "converts a string to upper case",
     "checks whether a list is empty", "returns the average of a list of numbers", "prints hello world",
     "returns the absolute value of a number", "counts the words in a sentence", "removes spaces from a string",
+    "returns the cube of a number", "checks whether a number is odd", "returns the factorial of a number",
+    "counts down from ten", "returns the maximum of three numbers", "checks whether a word is a palindrome",
+    "returns a list of even numbers up to n", "converts minutes to seconds", "subtracts two numbers",
+    "checks whether a number is divisible by three", "returns the middle item of a list", "repeats a string n times",
 ]  # fmt: skip
-CODE_LANGUAGES = ["Python", "JavaScript", "Java"]
+CODE_LANGUAGES = ["Python", "JavaScript", "Java", "C"]
 SENTENCES = [
     "I walk to school every day.", "The cat sleeps on the sofa.", "We eat dinner at seven.",
     "She reads a book in the park.", "They play football after class.", "He writes a letter to his friend.",
@@ -73,14 +104,23 @@ SENTENCES = [
     "Our teacher explains the lesson.", "The shop opens at nine.", "You water the plants on Mondays.",
     "The baby laughs at the clown.", "We visit our grandparents in summer.", "The train leaves at noon.",
     "She paints a picture of the sea.", "The wind blows the leaves away.",
+    "The bus stops near my house.", "He fixes old bicycles.", "We plant flowers in spring.",
+    "The bakery sells fresh bread.", "My sister plays the piano.", "The birds build a nest.",
+    "I clean my room on Saturdays.", "The river flows to the sea.", "They watch a film at night.",
+    "The farmer feeds the cows.", "Our class visits the museum.", "The moon shines over the lake.",
+    "She answers the phone.", "The boys climb the hill.", "I finish my homework after dinner.",
+    "The chef tastes the soup.", "The kids build a sandcastle.", "He takes the train to work.",
+    "The plants need water.", "We pack our bags for the trip.",
 ]  # fmt: skip
 REWRITE_TEMPLATES = [
     "Rewrite this sentence in the past tense: {}", "Make this sentence more formal: {}",
     "Rewrite this sentence as a question: {}", "Translate this sentence into simple French: {}",
     "Rewrite this sentence in the future tense: {}", "Make this sentence negative: {}",
+    "Rewrite this sentence with 'we' as the subject: {}", "Shorten this sentence if you can: {}",
 ]  # fmt: skip
 NAMES = ["Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hugo"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books"]
+NUMBER_PAIRS = [(3, 4), (5, 2), (7, 6), (9, 3), (12, 5), (4, 8), (6, 3), (8, 7)]  # the first five: the original set
 
 
 @dataclass(frozen=True)
@@ -95,7 +135,7 @@ class Prompt:
 def word_problems() -> list[Prompt]:
     """Addition, subtraction and multiplication stories with their numeric answer."""
     problems = []
-    for name, item, (first, second) in itertools.product(NAMES, ITEMS, [(3, 4), (5, 2), (7, 6), (9, 3), (12, 5)]):
+    for name, item, (first, second) in itertools.product(NAMES, ITEMS, NUMBER_PAIRS):
         problems.append(
             Prompt(f"{name} buys {first} bags with {second} {item} in each. How many {item} is that?",
                    "arithmetic", str(first * second))
@@ -124,6 +164,14 @@ def build_prompts() -> list[Prompt]:
     prompts += [
         Prompt(template.format(animal), "factual", legs)
         for (animal, legs), template in itertools.product(LEGS.items(), LEG_TEMPLATES)
+    ]
+    prompts += [
+        Prompt(template.format(thing)[0].upper() + template.format(thing)[1:], "factual", colour)
+        for (thing, colour), template in itertools.product(COLOURS.items(), COLOUR_TEMPLATES)
+    ]
+    prompts += [
+        Prompt(template.format(animal), "factual", sound)
+        for (animal, sound), template in itertools.product(SOUNDS.items(), SOUND_TEMPLATES)
     ]
     prompts += [Prompt(t.format(topic), "explanation") for topic, t in itertools.product(TOPICS, EXPLAIN_TEMPLATES)]
     prompts += [Prompt(t.format(subject), "list") for subject, t in itertools.product(LIST_SUBJECTS, LIST_TEMPLATES)]

@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.convert import save_refusion
+from finetune.data import prompt_token_ids
 from generation_refusion import DECODING_FIELDS
-from recipe.decoding import chat_prompt_ids, decode
+from recipe.decoding import decode
 from recipe.model import SHIPPED_ADAPTER, load_base, with_adapter
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
@@ -55,7 +56,7 @@ def main() -> None:
         f"({time.perf_counter() - start:.1f} s)"
     )
 
-    prompt_ids = chat_prompt_ids(tokenizer, PROMPTS)
+    prompt_ids = prompt_token_ids(tokenizer, PROMPTS)
     decode(base, tokenizer, prompt_ids[:1], max_new_tokens=4)  # warm-up: one-off costs of first calls
     decode(model, refusion_tokenizer, prompt_ids[:1], max_new_tokens=4)  # its generation config's defaults
     ar = decode(base, tokenizer, prompt_ids, args.max_new_tokens)

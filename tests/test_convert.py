@@ -1,5 +1,6 @@
 """finetune.convert: function preserved, mask token added or reused, complete folder, CLI errors."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -47,6 +48,25 @@ def test_conversion_adds_a_mask_token_without_changing_the_function(architecture
     assert model.generation_config.mask_token_id == mask_id
     assert model.generation_config.slot_size == DECODING_DEFAULTS["slot_size"]
     assert not hasattr(model.config, "slot_size")  # decoding parameters have one home: the generation config
+
+
+def test_a_random_mask_row_is_reproducible_and_leaves_the_function_alone():
+    tokenizer = tiny_tokenizer()
+    base = tiny_backbone("llama", vocab_size=len(tokenizer))
+    inputs = ordinary_input(len(tokenizer))
+    with torch.no_grad():
+        expected = base(inputs).logits
+    rows = base.get_input_embeddings().weight.detach().clone()
+    first, _ = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer), mask_init="random")
+    again, _ = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer), mask_init="random")
+    mask_id = first.config.mask_token_id
+    row = first.get_input_embeddings().weight[mask_id]
+    assert torch.equal(row, again.get_input_embeddings().weight[mask_id])
+    assert (row - rows.mean(dim=0)).abs().max() > 0.1 * rows.std()  # not the mean row
+    with torch.no_grad():
+        assert (first(inputs).logits[..., : expected.shape[-1]] - expected).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="mask_init must be one of"):
+        convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer), mask_init="zeros")
 
 
 def test_existing_mask_token_is_reused_without_resizing():

@@ -130,6 +130,17 @@ def test_perfect_predictor_has_zero_loss():
     assert loss.item() > math.log(VOCAB)  # AR alone is log(V); the MDM part adds more
 
 
+def test_the_mdm_term_is_weighted_by_the_configs_mdm_loss_weight():
+    batch = mixed_batch()
+    logits = torch.randn(*batch["labels"].shape, VOCAB, generator=torch.Generator().manual_seed(0)).double()
+    fields = (batch["labels"], batch["is_masked"], batch["noise_level"], batch["response_length"])
+    loss, ar, mdm = refusion_hybrid_loss(logits, *fields)
+    weighted, ar_again, mdm_again = refusion_hybrid_loss(logits, *fields, mdm_weight=3.0)
+    assert torch.equal(ar, ar_again) and torch.equal(mdm, mdm_again)  # the parts are logged unweighted
+    torch.testing.assert_close(weighted, ar + 3.0 * mdm)
+    torch.testing.assert_close(loss, ar + mdm)
+
+
 @pytest.mark.parametrize("missing", ["is_masked", "noise_level", "response_length"])
 def test_forward_with_labels_needs_the_hybrid_fields(missing):
     model = tiny_refusion("llama")

@@ -1,6 +1,5 @@
 """The benchmark's pieces: quality metrics, timed decoding (AR and ReFusion counted alike), tables and plot."""
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -8,19 +7,15 @@ import pytest
 import torch
 from tiny import tiny_backbone, tiny_tokenizer
 
+from benchmarks import quality_speed
 from finetune.convert import convert_to_refusion
-from recipe.decoding import chat_prompt_ids, cut_answer, decode, stop_token_ids
+from finetune.data import prompt_token_ids
+from recipe.decoding import DecodeRun, cut_answer, decode, stop_token_ids
+from recipe.evaluate import Evaluation
 from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, token_f1, words
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "List three colours.", "Two plus two is", "Explain rain to me."]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("quality_speed", ROOT / "benchmarks" / "quality_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_agreement_metrics():
@@ -45,7 +40,7 @@ def test_reference_must_be_a_whole_word_or_number():
 def test_answer_nll_equals_a_one_by_one_computation_and_perplexity_pools_tokens():
     tokenizer = tiny_tokenizer()
     model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
-    prompts = chat_prompt_ids(tokenizer, PROMPTS)
+    prompts = prompt_token_ids(tokenizer, PROMPTS)
     answers = [tokenizer.encode(text) for text in ["Paris.", "red, green and blue", "four", ""]]
     scores = answer_nll(model, prompts, answers, batch_size=3)  # batches of 3 and 1, right padding
     for (nll, count), prompt, answer in zip(scores, prompts, answers):
@@ -74,7 +69,7 @@ def test_cut_answer_stops_at_the_first_stop_token():
 def test_ar_decode_counts_one_forward_per_generated_token():
     tokenizer = tiny_tokenizer()
     model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
-    prompts = chat_prompt_ids(tokenizer, PROMPTS)
+    prompts = prompt_token_ids(tokenizer, PROMPTS)
     stop = stop_token_ids(model, tokenizer)
     for prompt in prompts:
         run = decode(model, tokenizer, [prompt], max_new_tokens=6)
@@ -94,7 +89,7 @@ def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():
         model.model.norm.weight.mul_(4.0)  # spread-out probabilities, so thresholds matter
     model = model.double().eval()
     settings = dict(slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3)
-    prompts = chat_prompt_ids(tokenizer, PROMPTS)
+    prompts = prompt_token_ids(tokenizer, PROMPTS)
     one_by_one = decode(model, tokenizer, prompts, max_new_tokens=12, **settings)
     batched = decode(model, tokenizer, prompts, max_new_tokens=12, batch_size=3, **settings)
     assert batched.answers == one_by_one.answers
@@ -106,50 +101,59 @@ def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():
     assert one_by_one.forwards == forwards
 
 
-def test_benchmark_prompts_quality_rows_table_and_plot(tmp_path):
-    benchmark = load_benchmark()
-    prompts = benchmark.benchmark_prompts(10)
+def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_them(tmp_path):
+    tokenizer = tiny_tokenizer()
+    model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
+    evaluation = Evaluation(model, tokenizer, prompt_count=10, max_new_tokens=6)
+    prompts = evaluation.prompts
     assert len(prompts) == 10 and sum(p.reference is not None for p in prompts) == 5
     assert len({p.kind for p in prompts}) >= 5
+    assert evaluation.teacher.answers == decode(model, tokenizer, evaluation.prompt_ids, 6).answers
+    assert evaluation.ar_row["token_f1"] == 1.0 and evaluation.ar_row["speedup"] == 1.0
 
-    tokenizer = tiny_tokenizer()
-    encode = tokenizer.encode
-    teacher = benchmark.DecodeRun([encode(p.reference or "some words here") for p in prompts], seconds=2.0, forwards=50)
-    student_texts = ["nothing" if i == 0 else (p.reference or "some words") for i, p in enumerate(prompts)]
-    student = benchmark.DecodeRun([encode(t) for t in student_texts], seconds=0.5, forwards=10)
-    correct = [i for i, p in enumerate(prompts) if p.reference]
-    scores = [(1.0, 2)] * len(prompts)
-    row = benchmark.quality(student, teacher, prompts, tokenizer, scores, correct)
-    assert row["generative_perplexity"] == pytest.approx(math.exp(0.5))
-    assert row["accuracy_where_ar_correct"] == pytest.approx(4 / 5)  # the first verifiable answer is wrong
-    assert row["exact_match"] == pytest.approx(4 / 10)  # open-ended: "some words" vs "some words here"
-    expected_f1 = (0 + 4 * 1 + 5 * (2 * 1 * (2 / 3) / (1 + 2 / 3))) / 10
-    assert row["token_f1"] == pytest.approx(expected_f1)
-    speed = benchmark.speed(student, ar_tokens_per_second=teacher.tokens_per_second)
-    assert speed["speedup"] == pytest.approx(student.tokens_per_second / teacher.tokens_per_second)
-    assert speed["tokens_per_forward"] == pytest.approx(student.tokens / 10)
+    # A student that answers every verifiable prompt with its reference and the first open one with nothing.
+    texts = [p.reference or ("" if i == 5 else evaluation.teacher_texts[i]) for i, p in enumerate(prompts)]
+    student = DecodeRun([tokenizer.encode(text) for text in texts], seconds=0.5, forwards=10)
+    row = evaluation.row("student", "slots", student)
+    references = evaluation.teacher_texts
+    assert row["accuracy_verifiable"] == 1.0
+    assert row["token_f1"] == pytest.approx(sum(token_f1(t, r) for t, r in zip(texts, references)) / 10)
+    assert row["exact_match"] == pytest.approx(sum(exact_match(t, r) for t, r in zip(texts, references)) / 10)
+    nll = answer_nll(model, evaluation.prompt_ids, student.answers)
+    assert row["generative_perplexity"] == pytest.approx(perplexity(nll))
+    assert row["speedup"] == pytest.approx(student.tokens_per_second / evaluation.teacher.tokens_per_second)
+    assert row["tokens_per_forward"] == pytest.approx(student.tokens / 10)
+    with pytest.raises(RuntimeError, match="outside the base vocabulary"):
+        evaluation.row("mask", "slots", DecodeRun([[len(tokenizer)]] * 10, seconds=1.0, forwards=1))
 
-    ar_row = {"name": benchmark.AR, "kind": "ar", "batch_size": 1} | benchmark.speed(teacher, teacher.tokens_per_second)
-    ar_row |= benchmark.quality(teacher, teacher, prompts, tokenizer, scores, correct)
     results = {
-        "machine": "test",
+        "machine": evaluation.machine,
         "dtype": "float64",
         "prompts": 10,
-        "max_new_tokens": 8,
-        "ar_correct": 5,
-        "chosen": "slot 8",
+        "max_new_tokens": 6,
+        "ar_correct": len(evaluation.correct),
+        "chosen": "student",
         "chosen_reason": "test",
-        "rows": [ar_row, {"name": "slot 8", "kind": "slots", "batch_size": 1} | speed | row],
-        "progress": [{"name": "checkpoint-2", "step": 2, **speed, **row}],
+        "rows": [evaluation.ar_row, row],
+        "progress": [{**row, "name": "checkpoint-2", "step": 2}],
     }
-    table = benchmark.markdown(results)
-    assert "| slot 8 | 1 |" in table and "| checkpoint-2 | 2 |" in table and f"{speed['speedup']:.2f}x" in table
-    benchmark.plot(results, tmp_path / "plot.png")
+    table = quality_speed.markdown(results)
+    assert "| student | 1 |" in table and "| checkpoint-2 | 2 |" in table and f"{row['speedup']:.2f}x" in table
+    quality_speed.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_adapter_rows_score_the_untrained_conversion_and_its_own_ar_decoding():
+    tokenizer = tiny_tokenizer()
+    model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
+    evaluation = Evaluation(model, tokenizer, prompt_count=2, max_new_tokens=4)
+    rows = evaluation.adapter_rows("untrained", None)
+    # Converting does not change the function: decoded token by token, it answers exactly as the teacher.
+    assert rows["converted_ar"]["exact_match"] == 1.0 and rows["converted_ar"]["token_f1"] == 1.0
+    assert rows["refusion"]["forwards"] > 0 and rows["refusion"]["kind"] == "slots"
+
+
 def test_the_chosen_setting_is_the_fastest_close_to_ar_else_the_best_at_one_token_per_forward():
-    benchmark = load_benchmark()
     reference = {"token_f1": 0.8, "generative_perplexity": 2.0}
 
     def row(name, speedup, f1, ppl, per_forward):
@@ -157,6 +161,6 @@ def test_the_chosen_setting_is_the_fastest_close_to_ar_else_the_best_at_one_toke
                     generative_perplexity=ppl, tokens_per_forward=per_forward)  # fmt: skip
 
     rows = [row("slow close", 0.8, 0.79, 2.05, 1.2), row("fast close", 1.4, 0.77, 2.1, 2.1), row("far", 3, 0.2, 9, 4)]
-    assert benchmark.choose_setting(rows, reference)[0] == "fast close"
+    assert quality_speed.choose_setting(rows, reference)[0] == "fast close"
     rows = [row("best below one", 0.5, 0.7, 3, 0.9), row("good", 0.6, 0.6, 3, 1.1), row("worse", 2, 0.3, 8, 3)]
-    assert benchmark.choose_setting(rows, reference)[0] == "good"
+    assert quality_speed.choose_setting(rows, reference)[0] == "good"

@@ -1,15 +1,17 @@
 """The recipe's in-repo prompt set: size, variety, a stable held-out split, correct references."""
 
+import json
 import re
+from pathlib import Path
 
-from recipe.prompts import CAPITALS, build_prompts, interleave_kinds, split_prompts
+from recipe.prompts import CAPITALS, COLOURS, SOUNDS, build_prompts, interleave_kinds, split_prompts
 
 KINDS = {"factual", "explanation", "list", "code", "rewriting", "arithmetic"}
 
 
 def test_prompt_set_is_large_varied_and_unique():
     prompts = build_prompts()
-    assert len(prompts) >= 1500
+    assert len(prompts) >= 3000
     assert len({prompt.text for prompt in prompts}) == len(prompts)
     counts = {kind: sum(prompt.kind == kind for prompt in prompts) for kind in KINDS}
     assert min(counts.values()) >= 50, counts
@@ -27,6 +29,13 @@ def test_held_out_split_is_disjoint_stable_and_verifiable():
     assert sum(p.reference is not None for p in held_out) >= 30
 
 
+def test_prompts_held_out_before_the_set_grew_stay_held_out():
+    before = json.loads((Path(__file__).parent / "data" / "held_out_before_growth.json").read_text())
+    train, held_out = split_prompts(build_prompts())
+    assert len(before) == 134 and set(before) <= {p.text for p in held_out}
+    assert set(before).isdisjoint(p.text for p in train)
+
+
 def test_references_are_correct():
     for prompt in build_prompts():
         if prompt.kind == "arithmetic":
@@ -41,6 +50,12 @@ def test_references_are_correct():
         elif "capital" in prompt.text:
             country = next(country for country in CAPITALS if country in prompt.text)
             assert prompt.reference == CAPITALS[country]
+        elif prompt.kind == "factual" and "colour" in prompt.text:
+            thing = next(thing for thing in COLOURS if thing in prompt.text.lower())
+            assert prompt.reference == COLOURS[thing]
+        elif prompt.kind == "factual" and ("sound" in prompt.text or "noise" in prompt.text):
+            animal = next(animal for animal in SOUNDS if f" {animal} " in prompt.text)
+            assert prompt.reference == SOUNDS[animal]
         elif prompt.kind in {"explanation", "list", "code", "rewriting"}:
             assert prompt.reference is None
 

@@ -7,16 +7,23 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from tiny import tiny_backbone, tiny_tokenizer
 
 import recipe.distill
+from benchmarks import budget_curve
+from finetune import sft
 from finetune.convert import convert_to_refusion
-from recipe.decoding import chat_prompt_ids
+from finetune.data import prompt_token_ids
+from recipe.ablate import ablate
 from recipe.model import with_adapter
-from recipe.run import ADAPTER_FILES, load_config, run
+from recipe.prompts import build_prompts, split_prompts
+from recipe.run import ADAPTER_FILES, load_config, run, sft_arguments
 
 
-def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, monkeypatch):
+@pytest.fixture
+def tiny_recipe(tmp_path, monkeypatch):
+    """The CPU recipe config pointed at a tiny saved model, with toy sizes, and its base model and tokenizer."""
     # A random tiny model never ends an answer or a sentence; count its cut-off answers as finished ones.
     real_answer_batch = recipe.distill.answer_batch
     monkeypatch.setattr(
@@ -26,34 +33,85 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, m
     base = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
     base.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
+    stages = [
+        {"name": "first", "rows": 6, "sft": {"max_steps": 2}},
+        # learning rate 0: a continued adapter comes out exactly as it went in, a fresh one would not
+        {"name": "second", "rows": 9, "sft": {"max_steps": 1, "learning_rate": 0.0, "per_device_train_batch_size": 3}},
+    ]
     overrides = [
         f"model.path={tmp_path / 'base'}",
         f"output_dir={tmp_path / 'out'}",
         f"artifacts_dir={tmp_path / 'artifacts'}",
-        "distill.train_prompts=6",
+        f"stages={json.dumps(stages)}",
         "distill.batch_size=3",
         "distill.max_new_tokens=4",
-        "sft.max_steps=2",
         "sft.learning_rate=0.01",  # so that two steps move the weights measurably
         "sft.per_device_train_batch_size=2",
         "sft.max_length=64",
         "sft.logging_steps=1",
+        "sft.save_steps=1000",
+        "evaluation.prompts=2",
+        "evaluation.max_new_tokens=4",
     ]
     config = load_config(Path(__file__).parents[1] / "recipe" / "smollm2.yaml", overrides)
-    assert config["distill"]["train_prompts"] == 6 and config["sft"]["use_peft"] is True
+    return config, base, tokenizer
 
-    artifacts = run(config)
+
+def test_recipe_stages_write_a_small_adapter_a_log_and_lasting_data(tiny_recipe):
+    config, base, tokenizer = tiny_recipe
+    artifacts = Path(config["artifacts_dir"])
+
+    run(config, only="first")
 
     adapter = artifacts / "adapter" / "adapter_model.safetensors"
     assert adapter.is_file() and adapter.stat().st_size <= 20 * 2**20
     assert sorted(path.name for path in adapter.parent.iterdir()) == sorted(ADAPTER_FILES)
-    log = json.loads((artifacts / "training_log.json").read_text())
-    assert [entry["step"] for entry in log if "loss" in entry] == [1, 2]
-    assert all({"ar_loss", "mdm_loss"} <= entry.keys() for entry in log if "loss" in entry)
-    held_out = {json.loads(line)["prompt"] for line in (tmp_path / "out" / "held_out.jsonl").read_text().splitlines()}
-    distilled = [json.loads(line) for line in (tmp_path / "out" / "distilled.jsonl").read_text().splitlines()]
-    assert distilled and held_out.isdisjoint(row["query"] for row in distilled)
+    [first] = json.loads((artifacts / "training_log.json").read_text())["stages"]
+    assert first["stage"] == "first" and first["continues"] is None and first["rows"] == 6 and first["steps"] == 2
+    assert first["sft"]["learning_rate"] == 0.01 and first["sft"]["max_steps"] == 2
+    assert [entry["step"] for entry in first["log_history"] if "loss" in entry] == [1, 2]
+    assert all({"ar_loss", "mdm_loss"} <= entry.keys() for entry in first["log_history"] if "loss" in entry)
+    evaluation = first["evaluation"]
+    assert {"ar", "refusion", "converted_ar"} <= evaluation.keys()
+    assert evaluation["refusion"]["forwards"] > 0 and 0.0 <= evaluation["refusion"]["token_f1"] <= 1.0
+    _, held_out = split_prompts(build_prompts(), config["held_out_percent"])
+    distilled = [json.loads(line) for line in (artifacts / "distilled.jsonl").read_text().splitlines()]
+    assert len(distilled) == 6 and {row["query"] for row in distilled}.isdisjoint(p.text for p in held_out)
+    first_adapter = load_file(adapter)
 
+    with pytest.raises(ValueError, match="next stage is second"):
+        run(config, only="first")
+    run(config, evaluate=False)  # the pending stage: "second", continuing "first"
+
+    log = json.loads((artifacts / "training_log.json").read_text())["stages"]
+    assert [record["stage"] for record in log] == ["first", "second"] and log[0] == first
+    assert log[1]["continues"] == "first" and log[1]["rows"] == 9 and "evaluation" not in log[1]
+    grown = [json.loads(line) for line in (artifacts / "distilled.jsonl").read_text().splitlines()]
+    assert len(grown) == 9 and grown[:6] == distilled  # rows are appended, never rewritten
+    second_adapter = load_file(adapter)
+    assert second_adapter.keys() == first_adapter.keys()
+    assert all(torch.equal(second_adapter[name], value) for name, value in first_adapter.items())
+    assert any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in first_adapter.items())
+    run(config)  # nothing pending: nothing happens
+    assert json.loads((artifacts / "training_log.json").read_text())["stages"] == log
+
+
+def test_a_log_that_is_not_the_configs_history_is_refused(tiny_recipe):
+    config, _, _ = tiny_recipe
+    artifacts = Path(config["artifacts_dir"])
+    artifacts.mkdir(parents=True)
+    (artifacts / "training_log.json").write_text(json.dumps({"stages": [{"stage": "other"}]}))
+    with pytest.raises(ValueError, match=r"holds stages \['other'\]"):
+        run(config)
+    (artifacts / "training_log.json").unlink()
+    with pytest.raises(ValueError, match="No stage 'third'"):
+        run(config, only="third")
+
+
+def test_the_shipped_adapter_merges_like_peft_and_leaves_the_base_alone(tiny_recipe):
+    config, base, tokenizer = tiny_recipe
+    config["stages"] = config["stages"][:1]
+    artifacts = run(config, evaluate=False)
     # The committed adapter loads: merged into a converted copy of the base it computes what PEFT computes unmerged,
     # and leaves the base model (the AR reference) and its tokenizer as they were.
     weights, vocabulary = copy.deepcopy(base.state_dict()), len(tokenizer)
@@ -62,7 +120,7 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, m
     assert len(tokenizer) == vocabulary and len(refusion_tokenizer) == vocabulary + 1
     assert merged.config.mask_token_id == refusion_tokenizer.mask_token_id
     converted, _ = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer))
-    inputs = torch.tensor(chat_prompt_ids(tokenizer, ["What is the capital of France?"]))
+    inputs = torch.tensor(prompt_token_ids(tokenizer, ["What is the capital of France?"]))
     with torch.no_grad():
         plain = converted(inputs).logits
         unmerged = PeftModel.from_pretrained(converted, artifacts / "adapter").eval()(inputs).logits
@@ -72,13 +130,42 @@ def test_recipe_writes_a_small_adapter_and_a_log_from_distilled_data(tmp_path, m
     answer = merged.generate(inputs, max_new_tokens=8, slot_size=4, block_length=8)
     assert answer.shape == (1, inputs.shape[1] + 8)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
-        with_adapter(base, tokenizer, tmp_path / "out")
+        with_adapter(base, tokenizer, Path(config["output_dir"]))
+
+
+def test_false_and_list_values_reach_the_sft_command_line():
+    arguments = sft_arguments(
+        {"bf16": False, "use_peft": True, "slot_sizes": [8, 16], "seed": None}, ("m", None), "d", "o"
+    )
+    assert arguments[6:] == ["--bf16", "false", "--use_peft", "true", "--slot_sizes", "8", "16"]
+    parsed = sft.make_parser().parse_args_and_config([*arguments, "--use_cpu", "true"])
+    training_args, model_args, refusion_args = parsed[1], parsed[2], parsed[3]
+    assert training_args.bf16 is False and model_args.use_peft is True and refusion_args.slot_sizes == [8, 16]
+
+
+def test_the_committed_recipe_history_matches_its_config_and_data():
+    root = Path(__file__).parents[1] / "recipe"
+    config = load_config(root / "smollm2.yaml", [])
+    artifacts = root / "artifacts" / "smollm2"
+    log = json.loads((artifacts / "training_log.json").read_text())["stages"]
+    assert [record["stage"] for record in log] == [stage["name"] for stage in config["stages"]]
+    for record, stage in zip(log, config["stages"]):
+        assert record["rows"] == stage["rows"] and record["sft"] == {**config["sft"], **stage.get("sft", {})}
+        assert record["steps"] == record["sft"]["max_steps"]
+    rows = [json.loads(line) for line in (artifacts / "distilled.jsonl").read_text().splitlines()]
+    assert len(rows) >= max(stage["rows"] for stage in config["stages"])
+    assert all(row["query"].strip() and row["response"].strip() for row in rows)
+    _, held_out = split_prompts(build_prompts(), config["held_out_percent"])
+    assert {row["query"] for row in rows}.isdisjoint(p.text for p in held_out)
+    assert (artifacts / "adapter" / "adapter_model.safetensors").stat().st_size <= 20 * 2**20
 
 
 def test_gpu_config_is_the_cpu_recipe_with_other_sizes():
     folder = Path(__file__).parents[1] / "recipe"
     cpu, gpu = load_config(folder / "smollm2.yaml", []), load_config(folder / "smollm2-gpu.yaml", [])
     assert cpu.keys() == gpu.keys() and cpu["distill"].keys() == gpu["distill"].keys()
+    assert cpu["decoding"] == gpu["decoding"]
+    assert cpu["ablations"]["variants"].keys() == gpu["ablations"]["variants"].keys()
     assert set(gpu["sft"]) - set(cpu["sft"]) == {"bf16"}  # mixed precision is the only new training flag
     assert {key for key in cpu["sft"] if cpu["sft"][key] != gpu["sft"][key]} <= {
         "lora_r",
@@ -89,3 +176,47 @@ def test_gpu_config_is_the_cpu_recipe_with_other_sizes():
         "logging_steps",
         "save_steps",
     }
+
+
+def test_ablations_train_each_variant_from_scratch_and_tabulate_them(tiny_recipe, capsys):
+    config, _, _ = tiny_recipe
+    config["stages"] = config["stages"][:1]
+    run(config, evaluate=False)
+    config["ablations"] |= {"steps": 2, "rows": 6, "prompts": 2, "sft": {"logging_steps": 1}}
+    results = ablate(config, only=["baseline", "MDM weight 3"])
+    assert list(results["variants"]) == ["baseline", "MDM weight 3"]
+    for entry in results["variants"].values():
+        assert entry["row"]["forwards"] > 0 and entry["losses"]["mdm_loss"] > 0
+    weighted = json.loads((Path(config["output_dir"]) / "ablations" / "mdm-weight-3" / "config.json").read_text())
+    assert weighted["mdm_loss_weight"] == 3.0
+    table = (Path(config["artifacts_dir"]) / "ablations.md").read_text()
+    assert "| baseline | - |" in table and "| MDM weight 3 | {'mdm_loss_weight': 3.0} |" in table
+    ablate(config, only=["baseline"])  # measured already: skipped, not retrained
+    assert "baseline: already measured" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="Unknown variants"):
+        ablate(config, only=["no such variant"])
+
+
+def test_budget_curve_points_follow_the_stages_minutes_and_steps(tmp_path):
+    row = {"tokens_per_forward": 1.0, "step_tokens_per_forward": 1.5, "speedup": 0.7, "token_f1": 0.5,
+           "generative_perplexity": 2.0, "accuracy_where_ar_correct": 1.0}  # fmt: skip
+    evaluation = {"ar": row, "refusion": row, "converted_ar": row}
+    log = {
+        "untrained": evaluation,
+        "stages": [
+            {"stage": "stage-1", "distill_minutes": 20, "train_minutes": 50, "steps": 100, "evaluation": evaluation,
+             "checkpoints": [{"step": 50, "row": row}]},
+            {"stage": "stage-2", "distill_minutes": 10, "train_minutes": 40, "steps": 80, "evaluation": evaluation},
+        ],
+    }  # fmt: skip
+    found = budget_curve.points(log)
+    assert [(p["name"], p["minutes"], p["steps"]) for p in found] == [
+        ("untrained", 0.0, 0),
+        ("stage-1, step 50", 45.0, 50),
+        ("stage-1", 70.0, 100),
+        ("stage-2", 120.0, 180),
+    ]
+    table = budget_curve.markdown(found)
+    assert "| stage-1, step 50 | 45 | 50 | 1.00 | 1.50 | 0.70 | 0.50 | 2.00 | 1.00 | - |" in table
+    budget_curve.plot(found, tmp_path / "curve.png", "test")
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"

@@ -7,6 +7,7 @@ against a loopback stand-in for the Hub with the real `huggingface_hub` client.
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,8 +28,10 @@ from transformers import AutoModelForCausalLM
 
 from finetune.convert import convert_to_refusion, save_refusion
 from finetune.data import load_rows, prepare_dataset
+from finetune.export import STAGING, publish
 from finetune.hybrid import HybridObjectiveCollator
-from finetune.sft import STAGING, RefusionSFTConfig, main, publish
+from finetune.sft import main
+from finetune.trainer import RefusionSFTConfig
 from modeling_refusion import RefusionForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +193,49 @@ def test_lora_overfits_a_small_set_in_every_format_and_writes_merged_model_and_a
         torch.testing.assert_close(adapted(inputs).logits, merged(inputs).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_lora_training_continues_from_a_saved_adapter(tmp_path, capsys):
+    base_dir = save_base(tmp_path / "base", "llama")
+    data = write_data(tmp_path / "data", "query_response", "jsonl")
+    common = [
+        "--model_name_or_path", base_dir, "--dataset_name", data, "--use_peft", "--lr_scheduler_type", "constant",
+        "--per_device_train_batch_size", 4, "--logging_steps", 5, "--save_strategy", "no", "--slot_sizes", 2, 4,
+    ]  # fmt: skip
+    first, same, more = tmp_path / "first", tmp_path / "same", tmp_path / "more"
+    assert run_cli(*common, "--output_dir", first, "--lora_r", 8, "--learning_rate", 1e-2, "--max_steps", 10,
+                   "--mdm_loss_weight", 2.0, "--mask_init", "random") == 0  # fmt: skip
+    for log in logged_losses(first):  # the MDM term counts twice in the loss, its part is logged unweighted
+        assert log["loss"] == pytest.approx(log["ar_loss"] + 2.0 * log["mdm_loss"], abs=1e-3)
+    assert RefusionForCausalLM.from_pretrained(first).config.mdm_loss_weight == 2.0
+
+    # Learning rate 0: the continued adapter comes out exactly as it went in (its own rank 8, not --lora_r 4).
+    assert run_cli(*common, "--output_dir", same, "--init_adapter", first / "adapter", "--lora_r", 4,
+                   "--learning_rate", 0.0, "--max_steps", 2) == 0  # fmt: skip
+    start, kept = (load_file(folder / "adapter" / "adapter_model.safetensors") for folder in (first, same))
+    assert kept.keys() == start.keys() and all(torch.equal(kept[name], start[name]) for name in start)
+    # More steps from there keep lowering the hybrid loss.
+    assert run_cli(*common, "--output_dir", more, "--init_adapter", first / "adapter", "--learning_rate", 1e-2,
+                   "--max_steps", 20) == 0  # fmt: skip
+    _, tokenizer = converted_base(base_dir)
+    after_first, after_more = (RefusionForCausalLM.from_pretrained(folder) for folder in (first, more))
+    after_first.config.mdm_loss_weight = after_more.config.mdm_loss_weight = 1.0  # compare like with like
+    assert hybrid_loss(after_more, tokenizer, data) < hybrid_loss(after_first, tokenizer, data)
+
+    # Mistakes: no --use_peft, no adapter in the folder, an adapter that trains another row than this [MASK].
+    capsys.readouterr()
+    no_peft = [argument for argument in common if argument != "--use_peft"]
+    assert run_cli(*no_peft, "--output_dir", tmp_path / "x", "--init_adapter", first / "adapter") == 1
+    assert "add --use_peft" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert run_cli(*common, "--output_dir", tmp_path / "x", "--init_adapter", data.parent) == 1
+    assert "holds no adapter_config.json" in capsys.readouterr().err.strip().splitlines()[-1]
+    foreign = tmp_path / "foreign"
+    shutil.copytree(first / "adapter", foreign)
+    config = json.loads((foreign / "adapter_config.json").read_text())
+    config["trainable_token_indices"] = {"embed_tokens": [3]}
+    (foreign / "adapter_config.json").write_text(json.dumps(config))
+    assert run_cli(*common, "--output_dir", tmp_path / "x", "--init_adapter", foreign) == 1
+    assert "does not train the mask token's embedding row" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_full_fine_tuning_trains_every_weight_and_writes_no_adapter(tmp_path):
     base_dir = save_base(tmp_path / "base", "qwen3", tied=False)
     data = write_data(tmp_path / "data", "query_response", "jsonl")
@@ -327,7 +373,7 @@ def test_an_interrupted_final_write_never_leaves_a_folder_that_looks_complete(tm
         moves.append(Path(target).name)
         os.rename(source, target)
 
-    monkeypatch.setattr("finetune.sft.os.replace", interrupted_replace)
+    monkeypatch.setattr("finetune.export.os.replace", interrupted_replace)
     with pytest.raises(KeyboardInterrupt):
         publish(staging, output_dir)
     assert moves and "config.json" not in moves

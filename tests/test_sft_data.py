@@ -8,7 +8,7 @@ import pytest
 from tiny import tiny_tokenizer
 
 from finetune.convert import add_mask_token
-from finetune.data import DataFormatError, detect_format, load_rows, prepare_dataset
+from finetune.data import DataFormatError, detect_format, load_rows, prepare_dataset, prompt_token_ids
 
 QUESTION, ANSWER = "Two plus two?", "Two plus two is four."
 CHAT_PROMPT = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
@@ -54,6 +54,19 @@ def test_each_format_gives_chat_templated_prompt_and_response_ending_in_eos(tmp_
     assert prepared.dataset.column_names == ["prompt_ids", "response_ids"]
     assert prepared.dataset[0]["prompt_ids"] == ids(tokenizer, CHAT_PROMPT)
     assert prepared.dataset[0]["response_ids"] == [*ids(tokenizer, ANSWER), tokenizer.eos_token_id]
+
+
+def test_training_and_inference_see_the_same_prompt_tokens(tmp_path, tokenizer):
+    questions = [QUESTION, "List three colours.", "def add(a, b):"]
+    rows = load_rows(write_jsonl(tmp_path / "train.jsonl", [{"query": q, "response": ANSWER} for q in questions]))
+    trained_on = prepare_dataset(rows, tokenizer, max_length=None).dataset["prompt_ids"]
+    at_inference = prompt_token_ids(tokenizer, questions)  # what recipe.decoding and the benchmarks feed generate()
+    assert trained_on == at_inference
+    assert at_inference == [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+        for q in questions
+    ]  # fmt: skip
 
 
 def test_messages_use_the_last_assistant_turn_and_keep_earlier_turns_in_the_prompt(tmp_path, tokenizer):
