@@ -160,8 +160,9 @@ class Evaluation:
         return rows
 
     def adapter_points(self, name: str, adapter: str | Path | None) -> dict[str, dict]:
-        """`adapter_rows` with the teacher's own row (`ar`): one point of the budget curve."""
-        return {"ar": self.ar_row, **self.adapter_rows(name, adapter)}
+        """`adapter_rows` with the teacher's own row (`ar`): one point of the budget curve. (Without an adapter
+        the converted model's AR decoding is the teacher's, conversion keeping the function: not decoded again.)"""
+        return {"ar": self.ar_row, **self.adapter_rows(name, adapter, converted_ar=adapter is not None)}
 
     def adapter_rows(
         self, name: str, adapter: str | Path | None, converted_ar: bool = True, **decoding

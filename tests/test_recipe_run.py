@@ -34,7 +34,7 @@ def tiny_recipe(tmp_path, monkeypatch):
     base.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     stages = [
-        {"name": "first", "rows": 6, "sft": {"max_steps": 2}},
+        {"name": "first", "rows": 6, "sft": {"max_steps": 2, "save_steps": 1}},
         # learning rate 0: a continued adapter comes out exactly as it went in, a fresh one would not
         {"name": "second", "rows": 9, "sft": {"max_steps": 1, "learning_rate": 0.0, "per_device_train_batch_size": 3}},
     ]
@@ -74,6 +74,8 @@ def test_recipe_stages_write_a_small_adapter_a_log_and_lasting_data(tiny_recipe)
     evaluation = first["evaluation"]
     assert {"ar", "refusion", "converted_ar"} <= evaluation.keys()
     assert evaluation["refusion"]["forwards"] > 0 and 0.0 <= evaluation["refusion"]["token_f1"] <= 1.0
+    assert [checkpoint["step"] for checkpoint in first["checkpoints"]] == [1]  # the stage's inner points
+    assert first["checkpoints"][0]["row"]["forwards"] > 0
     _, held_out = split_prompts(build_prompts(), config["held_out_percent"])
     distilled = [json.loads(line) for line in (artifacts / "distilled.jsonl").read_text().splitlines()]
     assert len(distilled) == 6 and {row["query"] for row in distilled}.isdisjoint(p.text for p in held_out)
