@@ -84,8 +84,8 @@ class Evaluation:
             for i, prompt in enumerate(self.prompts)
             if prompt.reference and contains_reference(self.teacher_texts[i], prompt.reference)
         ]
-        self.ar_row = self.row("AR: base generate()", "ar", self.teacher)
-        self._ar_rows = {1: self.ar_row}
+        self._ar_rows = {1: self.row("AR: base generate()", "ar", self.teacher, 1, self.teacher)}
+        self.ar_row = self._ar_rows[1]
 
     def timed(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 1, **generate_kwargs
@@ -102,7 +102,7 @@ class Evaluation:
         """The teacher's row at `batch_size` (decoded once per batch size)."""
         if batch_size not in self._ar_rows:
             run = self.timed(self.base, self.tokenizer, batch_size=batch_size)
-            self._ar_rows[batch_size] = self.row("AR: base generate()", "ar", run, batch_size)
+            self._ar_rows[batch_size] = self.row("AR: base generate()", "ar", run, batch_size, run)
         return self._ar_rows[batch_size]
 
     @property
@@ -117,16 +117,17 @@ class Evaluation:
     def texts(run: DecodeRun, tokenizer: PreTrainedTokenizerBase) -> list[str]:
         return [tokenizer.decode(answer, skip_special_tokens=True) for answer in run.answers]
 
-    def row(self, name: str, kind: str, run: DecodeRun, batch_size: int = 1) -> dict:
-        """Speed (against the teacher at the same batch size) and quality (against its answers) of `run`."""
+    def row(self, name: str, kind: str, run: DecodeRun, batch_size: int = 1, ar: DecodeRun | None = None) -> dict:
+        """Speed (against `ar`, by default the teacher decoded at the same batch size) and quality (against the
+        teacher's answers) of `run`."""
         if any(token >= self.base_vocab for answer in run.answers for token in answer):
             raise RuntimeError(f"{name}: an answer holds a token outside the base vocabulary (a [MASK]?).")
         texts = self.texts(run, self.tokenizer)
-        ar = None if run is self.teacher and batch_size == 1 else self.ar_row_at(batch_size)
+        ar_tokens_per_second = ar.tokens_per_second if ar else self.ar_row_at(batch_size)["tokens_per_second"]
         verifiable = [i for i, prompt in enumerate(self.prompts) if prompt.reference is not None]
         references = self.teacher_texts
         row = {"name": name, "kind": kind, "batch_size": batch_size}
-        row |= speed(run, ar["tokens_per_second"] if ar else run.tokens_per_second)
+        row |= speed(run, ar_tokens_per_second)
         row |= {
             "generative_perplexity": perplexity(answer_nll(self.base, self.prompt_ids, run.answers)),
             "exact_match": sum(exact_match(t, r) for t, r in zip(texts, references)) / len(texts),

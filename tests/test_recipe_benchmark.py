@@ -143,6 +143,18 @@ def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_teacher_at_another_batch_size_is_decoded_once_and_is_its_own_speed_reference():
+    tokenizer = tiny_tokenizer()
+    model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
+    evaluation = Evaluation(model, tokenizer, prompt_count=4, max_new_tokens=4)
+    batched = evaluation.ar_row_at(2)
+    assert batched["batch_size"] == 2 and batched["speedup"] == 1.0 and batched["token_f1"] == 1.0
+    assert evaluation.ar_row_at(2) is batched  # cached, not decoded again
+    run = evaluation.timed(model, tokenizer, batch_size=2)
+    row = evaluation.row("again", "ar", run, 2)
+    assert row["speedup"] == pytest.approx(run.tokens_per_second / batched["tokens_per_second"])
+
+
 def test_adapter_rows_score_the_untrained_conversion_and_its_own_ar_decoding():
     tokenizer = tiny_tokenizer()
     model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
