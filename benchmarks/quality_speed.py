@@ -195,8 +195,7 @@ def main() -> None:
 
     outputs = {AR: evaluation.teacher_texts}
     rows = [evaluation.ar_row]
-    mask = [model.config.mask_token_id]  # never proposed by ReFusion either
-    converted = evaluation.timed(model, refusion_tokenizer, autoregressive=True, suppress_tokens=mask)
+    converted = evaluation.converted_ar_run(model, refusion_tokenizer)
     rows.append(converted_row := scored(CONVERTED_AR, "ar", converted))
     for name in args.settings:
         kind = "tokens" if GRID[name]["slot_size"] == 1 else "slots"

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from recipe.evaluate import Evaluation
-from recipe.model import base_location, load_base
-from recipe.run import DATA_FILE, load_config, read_rows, stage_settings, train_adapter
+from recipe.model import load_base
+from recipe.run import DATA_FILE, config_model, load_config, read_rows, stage_settings, train_adapter, write_rows
 
 
 def slug(name: str) -> str:
@@ -79,9 +79,9 @@ def ablate(config: dict, only: list[str] | None = None) -> dict:
         raise ValueError(f"{artifacts / DATA_FILE} holds {len(rows)} rows; run the recipe's first stage first.")
     output_dir.mkdir(parents=True, exist_ok=True)
     data = output_dir / DATA_FILE
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    write_rows(data, rows)
 
-    model = base_location(config["model"].get("path"), config["model"].get("gguf_file"))
+    model = config_model(config)
     base, tokenizer = load_base(*model)
     evaluation = Evaluation(base, tokenizer, settings["prompts"], config["evaluation"]["max_new_tokens"])
     results |= {

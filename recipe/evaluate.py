@@ -155,10 +155,14 @@ class Evaluation:
         from the decoding order)."""
         rows = {"refusion": self.row(name, "slots", self.timed(model, tokenizer, **decoding))}
         if converted_ar:
-            mask = [model.config.mask_token_id]  # never proposed by ReFusion either
-            run = self.timed(model, tokenizer, autoregressive=True, suppress_tokens=mask)
+            run = self.converted_ar_run(model, tokenizer)
             rows["converted_ar"] = self.row(f"{name}: converted model, token by token", "ar", run)
         return rows
+
+    def converted_ar_run(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> DecodeRun:
+        """A ReFusion model decoded token by token by transformers' `generate()`, never proposing the mask token
+        (as ReFusion's own decoder never does)."""
+        return self.timed(model, tokenizer, autoregressive=True, suppress_tokens=[model.config.mask_token_id])
 
     def adapter_points(self, name: str, adapter: str | Path | None) -> dict[str, dict]:
         """`adapter_rows` with the teacher's own row (`ar`): one point of the budget curve. (Without an adapter

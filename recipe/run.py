@@ -79,6 +79,15 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+
+def config_model(config: dict) -> tuple[str, str | None]:
+    """Folder (or Hub id) and GGUF file of the config's base model."""
+    return base_location(config["model"].get("path"), config["model"].get("gguf_file"))
+
+
 def read_log(artifacts: Path) -> dict:
     """The training log: `stages` (one record per stage trained so far) and, once measured, `untrained` (the
     converted model before any training: the budget curve's first point)."""
@@ -129,14 +138,12 @@ def run_stage(config: dict, stage: dict, log: dict, evaluate: bool = True) -> di
     output_dir, artifacts = Path(config["output_dir"]), Path(config["artifacts_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     artifacts.mkdir(parents=True, exist_ok=True)
-    model = base_location(config["model"].get("path"), config["model"].get("gguf_file"))
+    model = config_model(config)
     data_file = artifacts / DATA_FILE
     distill_minutes = grow_data(config, data_file, stage["rows"], model)
     stage_data = output_dir / stage["name"] / DATA_FILE  # exactly the rows this stage trains on
     stage_data.parent.mkdir(parents=True, exist_ok=True)
-    stage_data.write_text(
-        "".join(json.dumps(row) + "\n" for row in read_rows(data_file)[: stage["rows"]]), encoding="utf-8"
-    )
+    write_rows(stage_data, read_rows(data_file)[: stage["rows"]])
 
     settings = stage_settings(config, stage)
     if stages_done:
@@ -196,7 +203,7 @@ def evaluate_missing(config: dict) -> None:
     missing_last = bool(log["stages"]) and "evaluation" not in log["stages"][-1]
     if "untrained" in log and not missing_last:
         return
-    evaluation = stage_evaluation(config, base_location(config["model"].get("path"), config["model"].get("gguf_file")))
+    evaluation = stage_evaluation(config, config_model(config))
     if "untrained" not in log:
         log["untrained"] = evaluation.adapter_points("untrained", None)
     if missing_last:
