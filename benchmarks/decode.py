@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
-from finetune.data import prompt_token_ids
 from recipe.decoding import DecodeRun, decode
 from recipe.model import load_base, shipped_decoding
 

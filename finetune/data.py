@@ -22,6 +22,8 @@ from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
+from finetune.chat import Message, prompt_token_ids
+
 logger = logging.getLogger(__name__)
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -31,7 +33,6 @@ FORMATS = {
     "messages": ("messages",),
 }
 OVERLONG_POLICIES = ("truncate", "drop")
-Message = dict[str, str]
 
 
 class DataFormatError(ValueError):
@@ -148,17 +149,6 @@ def _prompt_and_response(row: int, example: dict[str, Any], row_format: str) -> 
         return _split_conversation(row, "completion", prompt + completion)
     prompt = _messages(row, "prompt", prompt) if isinstance(prompt, list) else _text(row, "prompt", prompt)
     return prompt, _text(row, "completion", completion)
-
-
-def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str | list[Message]]) -> list[list[int]]:
-    """Token ids of each prompt as the model sees it right before its answer, in training and at inference alike:
-    through the tokenizer's chat template with the generation prompt (a string is one user turn), else the plain
-    text with the tokenizer's own special tokens."""
-    if tokenizer.chat_template is None:
-        return tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-    conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-    texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def _tokenize_batch(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from finetune.data import prompt_token_ids
+from finetune.chat import prompt_token_ids
 from recipe.decoding import decode
 
 # A sentence's last character (not the dot of "3." in a numbered list) or a line break.

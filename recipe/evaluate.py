@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
-from finetune.data import prompt_token_ids
 from recipe.decoding import DecodeRun, decode
 from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, token_f1
 from recipe.model import shipped_decoding, with_adapter

@@ -11,6 +11,7 @@ Its decoding defaults (in `model.generation_config`) are the `decoding` section 
 import copy
 from pathlib import Path
 
+import torch
 import yaml
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -27,6 +28,30 @@ def shipped_decoding() -> dict:
     """The shipped model's decoding defaults: the `decoding` section of the recipe config, chosen from the
     benchmark's frontier (see the README)."""
     return dict(yaml.safe_load(RECIPE_CONFIG.read_text(encoding="utf-8"))["decoding"])
+
+
+def native_bfloat16(device: str | torch.device = "cpu") -> bool:
+    """Whether `device` multiplies bfloat16 natively: a CUDA GPU with bf16 support, or a CPU with AMX or AVX512-BF16
+    (elsewhere a CPU emulates bf16 matmuls in float32 and runs them slower than float32 itself)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        capabilities = torch.cpu.get_capabilities()
+        return bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
+    return False
+
+
+def decoding_dtype(requested: str | torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype to decode in: `requested` when given (a name or a dtype), else bfloat16 where `device` multiplies it
+    natively and float32 elsewhere (see `native_bfloat16`). The policy of the demo and the benchmarks; a folder saved
+    in the chosen dtype records it in `config.json`, so `from_pretrained(..., dtype="auto")` loads it back in it."""
+    if requested is None:
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
+    dtype = getattr(torch, requested, None) if isinstance(requested, str) else requested
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {requested!r} is not a floating-point torch dtype (float32, bfloat16, float16).")
+    return dtype
 
 
 def base_location(path: str | Path | None = None, gguf_file: str | None = None) -> tuple[str, str | None]:

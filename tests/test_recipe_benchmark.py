@@ -8,8 +8,8 @@ import torch
 from tiny import tiny_backbone, tiny_tokenizer
 
 from benchmarks import quality_speed
+from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
-from finetune.data import prompt_token_ids
 from recipe.decoding import DecodeRun, cut_answer, decode, stop_token_ids
 from recipe.evaluate import Evaluation
 from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, token_f1, words

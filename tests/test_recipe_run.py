@@ -13,8 +13,8 @@ from tiny import tiny_backbone, tiny_tokenizer
 import recipe.distill
 from benchmarks import budget_curve
 from finetune import sft
+from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
-from finetune.data import prompt_token_ids
 from recipe.ablate import ablate
 from recipe.model import with_adapter
 from recipe.prompts import build_prompts, split_prompts

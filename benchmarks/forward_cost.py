@@ -1,0 +1,247 @@
+"""What one model forward of the shipped model costs on this machine, by number of queries and dtype.
+
+    python -m benchmarks.forward_cost [--cache 120] [--widths 1 2 4 8 16 32 64] [--dtypes float32 bfloat16]
+        [--repeats 10] [--prompts 8] [--output_dir benchmarks/results/smollm2-cpu]
+
+ReFusion beats autoregressive decoding when tokens per forward exceed the price of a ReFusion forward relative to
+an AR one. This measures that price. For each dtype and number of new tokens (queries) after a cache of `--cache`
+tokens, the median time of:
+
+- the decoder's call: the 4-D storage-order mask built by `generation_refusion.attention_mask` (its cost
+  included, as the decoder pays it), position ids, the cache, `logits_to_keep` (ReFusion's forward);
+- the plain causal call of autoregressive decoding: the base model with a 2-D mask and the cache.
+
+Beside them: the memory-bound floor (weight bytes / measured read bandwidth: no forward can be faster), and the
+decode mix of the shipped default (how many forwards of each width one answer spends, from hooks on the model
+while it answers held-out prompts), which turns the curve into the average price of a ReFusion forward and the
+tokens per forward ReFusion needs to tie with AR. Writes `forward_cost.json`, `.md` and `.png`.
+"""
+
+import argparse
+import bisect
+import copy
+import json
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from finetune.chat import prompt_token_ids
+from generation_refusion import attention_mask
+from recipe.decoding import decode
+from recipe.evaluate import benchmark_prompts
+from recipe.model import load_base, with_adapter
+
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second the CPU (or GPU) reads from memory: the best of `repeats` full reads of a large tensor."""
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes of the model's distinct parameters (a tied lm_head counted once: it is read once per forward)."""
+    return sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+
+
+def decoder_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tensor) -> None:
+    """One forward as the decoder makes it: a causal run of `ids` after the cache, through the 4-D storage-order
+    mask (built here, as the decoder builds it per forward), explicit position ids and `logits_to_keep`."""
+    past, width = cache.get_seq_length(), ids.shape[1]
+    ranks = torch.arange(past + width)[None]
+    groups = torch.zeros_like(ranks)
+    new, new_groups = ranks[:, past:], groups[:, past:]
+    mask = attention_mask(ranks, groups, new, new, new_groups, new_groups - 1, past, model.dtype)
+    model(input_ids=ids, position_ids=new, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=width)
+
+
+def causal_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tensor) -> None:
+    """One forward as autoregressive decoding makes it: a 2-D padding mask, positions implied by the cache."""
+    past, width = cache.get_seq_length(), ids.shape[1]
+    mask = torch.ones(1, past + width, dtype=torch.long)
+    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=width)
+
+
+@torch.no_grad()
+def forward_times(model: PreTrainedModel, cache_length: int, widths, repeats: int, call) -> dict[int, float]:
+    """Median milliseconds of `call` (`decoder_forward` or `causal_forward`) at each width after a cache of
+    `cache_length` random tokens; the cache is cropped back after every call, so each one sees the same past."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    cache = DynamicCache()
+    model(input_ids=torch.randint(0, vocab, (1, cache_length), generator=generator), cache=cache, use_cache=True)
+    times = {}
+    for width in widths:
+        ids = torch.randint(0, vocab, (1, width), generator=generator)
+        call(model, cache, ids)  # warm-up: first-call allocations
+        cache.crop(-width)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call(model, cache, ids)
+            samples.append(time.perf_counter() - start)
+            cache.crop(-width)
+        times[width] = 1000 * statistics.median(samples)
+    return times
+
+
+@torch.no_grad()
+def decode_mix(model: PreTrainedModel, tokenizer, prompt_ids, max_new_tokens: int) -> Counter:
+    """Forwards of each width (new tokens per row) while `model` answers `prompt_ids` one by one with its own
+    decoding defaults. The first forward of each answer carries the prompt (the prefill, which AR decoding pays
+    too) and is left out."""
+    widths = Counter()
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)  # fmt: skip
+    try:
+        for prompt in prompt_ids:
+            seen.clear()
+            decode(model, tokenizer, [prompt], max_new_tokens)
+            widths.update(seen[1:])
+    finally:
+        hook.remove()
+    return widths
+
+
+def price_at(curve: dict[int, float], width: int) -> float:
+    """Milliseconds of a forward of `width` queries, linear between measured widths (flat past the ends)."""
+    measured = sorted(curve)
+    if width <= measured[0] or width >= measured[-1]:
+        return curve[measured[0] if width <= measured[0] else measured[-1]]
+    right = bisect.bisect_left(measured, width)
+    low, high = measured[right - 1], measured[right]
+    share = (width - low) / (high - low)
+    return curve[low] + share * (curve[high] - curve[low])
+
+
+def markdown(results: dict) -> str:
+    widths = results["widths"]
+    lines = [
+        f"{results['machine']}, {results['threads']} threads, torch {results['torch']}; cache of "
+        f"{results['cache']} tokens, median of {results['repeats']} forwards. Read bandwidth "
+        f"{results['bandwidth_gb_s']:.1f} GB/s.",
+        "",
+        "| dtype | call | " + " | ".join(f"{w} q" for w in widths) + " | memory floor |",
+        "| --- | --- | " + " | ".join("---:" for _ in widths) + " | ---: |",
+    ]
+    for dtype, entry in results["dtypes"].items():
+        for call in ("decoder", "causal"):
+            cells = " | ".join(f"{entry[call][str(w)]:.0f}" for w in widths)
+            lines.append(f"| {dtype} | {call} | {cells} | {entry['floor_ms']:.0f} |")
+    mix = results["mix"]
+    lines += [
+        "",
+        f"Decode mix of the shipped default ({results['mix_prompts']} held-out prompts, {results['max_new_tokens']} "
+        f"new tokens, prefill left out): {sum(mix.values())} forwards; width: count "
+        + ", ".join(f"{w}: {n}" for w, n in sorted(mix.items(), key=lambda item: int(item[0])))
+        + ".",
+        "",
+        "| dtype | AR forward (1 query) ms | mean ReFusion forward ms | price ratio (= tokens/forward to tie) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for dtype, entry in results["dtypes"].items():
+        lines.append(
+            f"| {dtype} | {entry['ar_ms']:.0f} | {entry['refusion_mean_ms']:.0f} | {entry['price_ratio']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, mix) = plt.subplots(1, 2, figsize=(12, 4.5))
+    widths = results["widths"]
+    for index, (dtype, entry) in enumerate(results["dtypes"].items()):
+        colour = f"C{index}"
+        curves.plot(widths, [entry["decoder"][str(w)] for w in widths], "o-", color=colour, label=f"{dtype}, decoder")
+        curves.plot(widths, [entry["causal"][str(w)] for w in widths], "s--", color=colour, label=f"{dtype}, causal")
+        curves.axhline(entry["floor_ms"], color=colour, linestyle=":", label=f"{dtype}, memory floor")
+    curves.set_xscale("log", base=2)
+    curves.set_xlabel("queries per forward")
+    curves.set_ylabel("ms per forward")
+    curves.set_ylim(bottom=0)
+    curves.set_title(f"one forward after {results['cache']} cached tokens")
+    curves.legend(fontsize=8)
+    counts = sorted((int(w), n) for w, n in results["mix"].items())
+    mix.bar([str(w) for w, _ in counts], [n for _, n in counts], color="C2")
+    mix.set_xlabel("queries per forward")
+    mix.set_ylabel("forwards")
+    mix.set_title("decode mix of the shipped default")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=int, default=120, help="tokens already in the cache")
+    parser.add_argument("--widths", type=int, nargs="+", default=list(DEFAULT_WIDTHS))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for the decode mix")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
+    args = parser.parse_args()
+
+    base, tokenizer = load_base()
+    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
+    prompt_ids = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
+    mix = decode_mix(model, refusion_tokenizer, prompt_ids, args.max_new_tokens)
+    bandwidth = read_bandwidth()
+    results = {
+        "machine": f"{platform.machine()} CPU",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cache": args.cache,
+        "repeats": args.repeats,
+        "widths": args.widths,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "mix_prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "mix": {str(width): count for width, count in sorted(mix.items())},
+        "dtypes": {},
+    }
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        refusion, ar = copy.deepcopy(model).to(dtype), copy.deepcopy(base).to(dtype)
+        decoder = forward_times(refusion, args.cache, args.widths, args.repeats, decoder_forward)
+        causal = forward_times(ar, args.cache, args.widths, args.repeats, causal_forward)
+        refusion_mean = sum(count * price_at(decoder, width) for width, count in mix.items()) / sum(mix.values())
+        entry = {
+            "decoder": {str(w): t for w, t in decoder.items()},
+            "causal": {str(w): t for w, t in causal.items()},
+            "floor_ms": 1000 * weight_bytes(refusion) / bandwidth,
+            "ar_ms": causal[min(causal)],
+            "refusion_mean_ms": refusion_mean,
+            "price_ratio": refusion_mean / causal[min(causal)],
+        }
+        results["dtypes"][name] = entry
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(entry)}", flush=True)
+        del refusion, ar
+
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "forward_cost.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    (output_dir / "forward_cost.md").write_text(markdown(results), encoding="utf-8")
+    plot(results, output_dir / "forward_cost.png")
+    print(markdown(results))
+    print(f"written: {output_dir}/forward_cost.json, forward_cost.md, forward_cost.png")
+
+
+if __name__ == "__main__":
+    main()
