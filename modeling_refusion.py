@@ -54,14 +54,16 @@ def refusion_hybrid_loss(
     noise_level: torch.Tensor,
     response_length: torch.Tensor,
     mdm_weight: float = 1.0,
+    token_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return `(ar_loss + mdm_weight * mdm_loss, ar_loss, mdm_loss)` for an aligned hybrid-objective batch.
 
     `labels` are already aligned with `logits` (no shift): inside a clean slot a token's label is the next
     token of that slot, at a `[MASK]` position it is the original token there, elsewhere `IGNORE_INDEX`.
     The AR loss is the mean cross-entropy over clean-slot labels. The MDM loss weights each masked
-    token's cross-entropy by `1 / (noise_level * response_length)` of its example, sums, and averages
-    over the batch.
+    token's cross-entropy by `1 / (noise_level * response_length)` of its example, times `token_weight` at that
+    position when given (`[batch, seq]`, e.g. the batch builder's `mdm_token_weight`), sums, and averages over the
+    batch.
     """
     loss_dtype = torch.promote_types(logits.dtype, torch.float32)  # half precision up, float64 kept
     labelled = labels != IGNORE_INDEX
@@ -71,10 +73,45 @@ def refusion_hybrid_loss(
     ar_count = (~masked).sum()
     ar_loss = torch.where(~masked, token_loss, 0.0).sum() / ar_count.clamp(min=1)
 
-    weight = 1.0 / (noise_level.to(loss_dtype) * response_length.to(loss_dtype).clamp(min=1))
-    token_weight = weight[:, None].expand_as(labels)[labelled]
-    mdm_loss = torch.where(masked, token_loss * token_weight, 0.0).sum() / labels.shape[0]
+    weight = _mdm_token_weight(labels, noise_level, response_length, token_weight, loss_dtype)[labelled]
+    mdm_loss = torch.where(masked, token_loss * weight, 0.0).sum() / labels.shape[0]
     return ar_loss + mdm_weight * mdm_loss, ar_loss, mdm_loss
+
+
+def refusion_soft_target_loss(
+    logits: torch.Tensor,
+    is_masked: torch.BoolTensor,
+    target_log_probs: torch.Tensor,
+    noise_level: torch.Tensor,
+    response_length: torch.Tensor,
+    token_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KL(target || model) at every `[MASK]`, weighted and averaged over the batch as the MDM term is.
+
+    `target_log_probs` (`[masked count, vocab]`) holds one target distribution per `[MASK]`, in the order of
+    `is_masked.nonzero()`: for ReFusion's soft targets, the converted model's next-token distribution for that
+    position given the true prefix. The term pulls the masked predictions toward what the model's own
+    autoregressive function (the verifier of every draft) would accept, not only toward the text's one token.
+    """
+    loss_dtype = torch.promote_types(logits.dtype, torch.float32)
+    log_probs = logits[is_masked].to(loss_dtype).log_softmax(dim=-1)
+    target = target_log_probs.to(loss_dtype)
+    divergence = (target.exp() * (target - log_probs)).sum(dim=-1)
+    weight = _mdm_token_weight(is_masked, noise_level, response_length, token_weight, loss_dtype)[is_masked]
+    return (divergence * weight).sum() / is_masked.shape[0]
+
+
+def _mdm_token_weight(
+    like: torch.Tensor,
+    noise_level: torch.Tensor,
+    response_length: torch.Tensor,
+    token_weight: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`[batch, seq]` weight of a masked token's term: `token_weight / (noise_level * response_length)`."""
+    weight = 1.0 / (noise_level.to(dtype) * response_length.to(dtype).clamp(min=1))
+    weight = weight[:, None].expand(like.shape)
+    return weight if token_weight is None else weight * token_weight.to(dtype)
 
 
 class RefusionPreTrainedModel(PreTrainedModel):
@@ -210,4 +247,10 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
 RefusionConfig.register_for_auto_class()
 RefusionForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["RefusionForCausalLM", "RefusionPreTrainedModel", "RefusionCausalLMOutput", "refusion_hybrid_loss"]
+__all__ = [
+    "RefusionForCausalLM",
+    "RefusionPreTrainedModel",
+    "RefusionCausalLMOutput",
+    "refusion_hybrid_loss",
+    "refusion_soft_target_loss",
+]

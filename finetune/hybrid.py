@@ -10,6 +10,13 @@ with every token keeping its reading-order index as position id, so RoPE sees tr
 follows storage order. Labels are aligned with the inputs (the model does not shift them): inside a clean slot a
 token is labelled with the next token of that slot, a ``[MASK]`` is labelled with the original token it hides.
 
+Slot masking (`SLOT_MASKINGS`): ``whole`` (the paper's) hides every token of a masked slot. ``suffix`` keeps a
+uniformly drawn clean prefix of 0..length-1 of the slot's own tokens in front of its ``[MASK]`` s, the pattern the
+decoder's infill asks for (draft the rest of a slot after its accepted prefix); ``mixed`` draws ``whole`` or
+``suffix`` per slot with equal odds. A clean prefix token stays in the masked region, in reading order, and is
+unlabelled: it is context for its slot's masks (as an accepted prefix is in decoding), not a training target, since
+the region also holds other slots' masks that no autoregressive context in decoding ever contains.
+
 The whole transform is vectorised over the batch: one composite sort key per token and a single ``argsort``.
 """
 
@@ -24,6 +31,7 @@ IGNORE_INDEX = -100  # same value as `modeling_refusion.IGNORE_INDEX` and PyTorc
 
 # Storage groups, in row order; a token's sort key is `group * max_slots * width + key within the group`.
 _PROMPT, _CLEAN, _MASKED, _PADDING = range(4)
+SLOT_MASKINGS = ("whole", "suffix", "mixed")
 
 TokenIds = torch.Tensor | Sequence[int]
 
@@ -45,12 +53,15 @@ def build_hybrid_batch(
     slot_sizes: Sequence[int] = (4, 8, 16, 32),
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
+    slot_masking: str = "whole",
+    acceptance_decay: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Return a right-padded hybrid-objective batch ready for `RefusionForCausalLM.forward(**batch)`.
 
     Keys (``B`` examples, ``T`` = longest prompt + response):
 
-    * ``input_ids`` (long, ``[B, T]``): prompt, clean slots shuffled, masked slots as ``mask_token_id``, padding;
+    * ``input_ids`` (long, ``[B, T]``): prompt, clean slots shuffled, masked slots (their clean prefix, if any, then
+      ``mask_token_id``), padding;
     * ``attention_mask`` (long, ``[B, T]``): 1 on real tokens, 0 on padding;
     * ``position_ids`` (long, ``[B, T]``): reading-order index of each token in prompt + response; 0 on padding
       (any in-range value would do, the padding is never attended to nor labelled);
@@ -58,12 +69,21 @@ def build_hybrid_batch(
       token of every clean slot;
     * ``is_masked`` (bool, ``[B, T]``): True exactly at ``[MASK]`` positions;
     * ``noise_level`` (float32, ``[B]``): masking probability ``p`` of each example;
-    * ``response_length`` (long, ``[B]``) and ``slot_size`` (long, ``[B]``, for logging).
+    * ``response_length`` (long, ``[B]``) and ``slot_size`` (long, ``[B]``, for logging);
+    * with ``acceptance_decay`` only, ``mdm_token_weight`` (float32, ``[B, T]``): the weight of the MDM term at
+      each ``[MASK]``, ``decay ** k`` for the k-th mask of its slot, scaled so that a slot's weights sum to its mask
+      count (the MDM term moves toward a slot's first drafts, the ones an accepted run starts with, at the same
+      total); 0 off the masks. `RefusionSFTTrainer` takes it; `forward` does not.
 
-    All randomness comes from ``generator`` (torch's global RNG when None), so a seeded generator gives the same
-    batch every time. Tensors are built on the device of the first prompt.
+    ``slot_masking`` is one of `SLOT_MASKINGS` (see the module docstring). All randomness comes from ``generator``
+    (torch's global RNG when None), so a seeded generator gives the same batch every time. Tensors are built on the
+    device of the first prompt.
     """
     prompt_rows, response_rows = _validate(prompts, responses, mask_token_id, slot_sizes, eps)
+    if slot_masking not in SLOT_MASKINGS:
+        raise ValueError(f"slot_masking must be one of {', '.join(SLOT_MASKINGS)}, got {slot_masking!r}.")
+    if acceptance_decay is not None and not 0.0 < acceptance_decay <= 1.0:
+        raise ValueError(f"acceptance_decay must lie in (0, 1], got {acceptance_decay}.")
     device = prompt_rows[0].device
     batch_size = len(prompt_rows)
 
@@ -87,19 +107,24 @@ def build_hybrid_batch(
     slot_is_masked = slot_draws[0] < noise_level[:, None]
     # Rank of each slot in a uniformly random permutation; only clean slots use it.
     slot_rank = slot_draws[1].argsort(dim=1).argsort(dim=1)
+    # Drawn after the paper's draws, so `whole` batches stay what they were for a given seed.
+    slot_prefix = _clean_prefix_lengths(slot_masking, response_length, slot_size, max_slots, generator, sample_device)
 
     is_prompt = position < prompt_length[:, None]
     is_real = position < total_length[:, None]
     is_response = is_real & ~is_prompt
     offset = (position - prompt_length[:, None]).clamp(min=0)  # index inside the response
     slot = torch.where(is_response, offset // slot_size[:, None], 0)
-    masked = is_response & slot_is_masked.gather(1, slot)
-    clean = is_response & ~masked
+    in_masked_slot = is_response & slot_is_masked.gather(1, slot)
+    clean = is_response & ~in_masked_slot
+    # Index among the slot's [MASK]s: negative on a masked slot's clean prefix.
+    mask_index = offset - slot * slot_size[:, None] - slot_prefix.gather(1, slot)
+    masked = in_masked_slot & (mask_index >= 0)
 
     group = torch.full_like(position, _PADDING)
     group[is_prompt] = _PROMPT
     group[clean] = _CLEAN
-    group[masked] = _MASKED
+    group[in_masked_slot] = _MASKED
     # Clean slots are ordered by their random rank, everything else by position; tokens of a slot stay in order.
     # Keys within a group are unique and below `max_slots * width`, so one argsort gives the whole layout.
     key_in_group = torch.where(clean, slot_rank.gather(1, slot) * width + position, position)
@@ -112,7 +137,7 @@ def build_hybrid_batch(
     stored_real = is_real.gather(1, order)
     stored_masked = masked.gather(1, order)
     input_ids = torch.where(stored_masked, mask_token_id, tokens.gather(1, order))
-    return {
+    batch = {
         "input_ids": torch.where(stored_real, input_ids, pad_token_id),
         "attention_mask": stored_real.long(),
         "position_ids": torch.where(stored_real, order, 0),
@@ -122,6 +147,44 @@ def build_hybrid_batch(
         "response_length": response_length,
         "slot_size": slot_size,
     }
+    if acceptance_decay is not None:
+        weight = _acceptance_weights(masked, mask_index, slot, max_slots, acceptance_decay)
+        batch["mdm_token_weight"] = weight.gather(1, order)
+    return batch
+
+
+def _clean_prefix_lengths(
+    slot_masking: str,
+    response_length: torch.Tensor,
+    slot_size: torch.Tensor,
+    max_slots: int,
+    generator: torch.Generator | None,
+    sample_device: torch.device,
+) -> torch.Tensor:
+    """How many leading tokens of each slot stay clean if the slot is masked, ``[B, max_slots]``: 0 for `whole`,
+    uniform over 0..length-1 of the slot for `suffix`, either of the two with equal odds for `mixed`."""
+    device = response_length.device
+    if slot_masking == "whole":
+        return torch.zeros(len(response_length), max_slots, dtype=torch.long, device=device)
+    slot_start = torch.arange(max_slots, device=device) * slot_size[:, None]
+    slot_length = torch.minimum(response_length[:, None] - slot_start, slot_size[:, None]).clamp(min=0)
+    draws = torch.rand(2, len(response_length), max_slots, generator=generator, device=sample_device).to(device)
+    prefix = torch.minimum((draws[0] * slot_length).floor().long(), (slot_length - 1).clamp(min=0))
+    return torch.where(draws[1] < 0.5, 0, prefix) if slot_masking == "mixed" else prefix
+
+
+def _acceptance_weights(
+    masked: torch.Tensor, mask_index: torch.Tensor, slot: torch.Tensor, max_slots: int, decay: float
+) -> torch.Tensor:
+    """Per-[MASK] weights in reading order: ``decay ** k`` for the k-th mask of a slot, normalised so that each
+    slot's weights sum to its number of masks; 0 elsewhere."""
+    raw = torch.where(masked, decay ** mask_index.clamp(min=0).double(), 0.0)
+    slot_total = torch.zeros(masked.shape[0], max_slots, dtype=torch.float64, device=masked.device)
+    slot_count = torch.zeros_like(slot_total)
+    slot_total.scatter_add_(1, slot, raw)
+    slot_count.scatter_add_(1, slot, masked.double())
+    scale = slot_count / slot_total.clamp(min=torch.finfo(torch.float64).tiny)
+    return (raw * scale.gather(1, slot)).float()
 
 
 def _validate(
@@ -172,6 +235,8 @@ class HybridObjectiveCollator:
     slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
     eps: float = 1e-3
     seed: int | None = None
+    slot_masking: str = "whole"
+    acceptance_decay: float | None = None
     generator: torch.Generator = field(init=False, repr=False)
     _worker_seed: int | None = field(default=None, init=False, repr=False)
 
@@ -183,9 +248,15 @@ class HybridObjectiveCollator:
 
     @classmethod
     def from_config(
-        cls, config: HybridObjectiveConfig, pad_token_id: int, seed: int | None = None
+        cls,
+        config: HybridObjectiveConfig,
+        pad_token_id: int,
+        seed: int | None = None,
+        slot_masking: str = "whole",
+        acceptance_decay: float | None = None,
     ) -> "HybridObjectiveCollator":
-        """Build the collator from a `RefusionConfig` (`mask_token_id`, `train_slot_sizes`, `mask_eps`)."""
+        """Build the collator from a `RefusionConfig` (`mask_token_id`, `train_slot_sizes`, `mask_eps`) and the
+        objective options that are training settings rather than model fields."""
         if config.mask_token_id is None:
             raise ValueError("The config has no mask_token_id; add a [MASK] token to the model first.")
         return cls(
@@ -194,6 +265,8 @@ class HybridObjectiveCollator:
             slot_sizes=tuple(config.train_slot_sizes),
             eps=config.mask_eps,
             seed=seed,
+            slot_masking=slot_masking,
+            acceptance_decay=acceptance_decay,
         )
 
     def __call__(self, features: Sequence[dict[str, TokenIds]]) -> dict[str, torch.Tensor]:
@@ -210,7 +283,9 @@ class HybridObjectiveCollator:
             slot_sizes=self.slot_sizes,
             eps=self.eps,
             generator=self.generator,
+            slot_masking=self.slot_masking,
+            acceptance_decay=self.acceptance_decay,
         )
 
 
-__all__ = ["IGNORE_INDEX", "HybridObjectiveCollator", "build_hybrid_batch"]
+__all__ = ["IGNORE_INDEX", "SLOT_MASKINGS", "HybridObjectiveCollator", "build_hybrid_batch"]

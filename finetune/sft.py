@@ -96,6 +96,14 @@ def check_arguments(
         raise UsageError("--init_adapter continues a LoRA adapter: add --use_peft.")
     if training_args.packing or training_args.padding_free:
         raise UsageError("--packing and --padding_free are not supported: each row is laid out as its own slots.")
+    if refusion_args.soft_target_weight and not model_args.use_peft:
+        raise UsageError(
+            "--soft_target_weight takes its targets from the model with its adapter disabled: add --use_peft."
+        )
+    if refusion_args.soft_target_weight < 0:
+        raise UsageError(f"--soft_target_weight must be >= 0, got {refusion_args.soft_target_weight}.")
+    if refusion_args.acceptance_decay is not None and not 0.0 < refusion_args.acceptance_decay <= 1.0:
+        raise UsageError(f"--acceptance_decay must lie in (0, 1], got {refusion_args.acceptance_decay}.")
     if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
         raise UsageError("--load_in_4bit/--load_in_8bit train adapters only: add --use_peft.")
     if training_args.chat_template_path is not None and not training_args.chat_template_path.endswith(
@@ -153,7 +161,11 @@ def build_trainer(
         tokenizer.eos_token = training_args.eos_token
     train_data, eval_data = prepare_data(script_args, training_args, refusion_args, tokenizer)
     collator = HybridObjectiveCollator.from_config(
-        model.config, tokenizer.pad_token_id, seed=training_args.seed + training_args.process_index
+        model.config,
+        tokenizer.pad_token_id,
+        seed=training_args.seed + training_args.process_index,
+        slot_masking=refusion_args.slot_masking,
+        acceptance_decay=refusion_args.acceptance_decay,
     )
     # `model_init_kwargs` were used by `load_model` (and are again if the base is reloaded to merge the adapter);
     # hidden while the trainer is built, which would otherwise warn that they are ignored for a loaded model.
@@ -170,6 +182,7 @@ def build_trainer(
         eval_dataset=eval_data.dataset if eval_data is not None else None,
         processing_class=tokenizer,
         peft_config=peft_config,
+        soft_target_weight=refusion_args.soft_target_weight,
     )
     training_args.model_init_kwargs = model_init_kwargs
     return trainer, train_data

@@ -12,7 +12,8 @@ from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
 from finetune.convert import FORMATS, MASK_INITS, convert_to_refusion, load_causal_lm
 from finetune.data import OVERLONG_POLICIES
-from modeling_refusion import RefusionForCausalLM
+from finetune.hybrid import SLOT_MASKINGS
+from modeling_refusion import RefusionForCausalLM, refusion_hybrid_loss, refusion_soft_target_loss
 
 QUANTIZATION_ATTRIBUTES = (
     "hf_quantizer",
@@ -44,6 +45,29 @@ class RefusionArguments:
     )
     mdm_loss_weight: float | None = field(
         default=None, metadata={"help": "Weight of the MDM term: loss = ar_loss + weight * mdm_loss (default: 1)."}
+    )
+    slot_masking: str = field(
+        default="whole",
+        metadata={
+            "help": "What a masked slot hides: 'whole' (every token, the paper), 'suffix' (a random clean prefix of "
+            "0..size-1 of its own tokens stays in front of its masks, as in the decoder's infill) or 'mixed' (either, "
+            "drawn per slot).",
+            "choices": list(SLOT_MASKINGS),
+        },
+    )
+    acceptance_decay: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight the MDM term of the k-th [MASK] of a slot by decay**k, rescaled so each slot keeps its "
+            "total: favours the first drafts, which start every accepted run (e.g. 0.7; default: off, all weights 1)."
+        },
+    )
+    soft_target_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of a KL term pulling each [MASK] toward the converted model's own next-token "
+            "distribution there (the adapter disabled, true prefix, same step); needs --use_peft (default: 0, off)."
+        },
     )
     mask_init: str = field(
         default="mean",
@@ -111,35 +135,60 @@ class RefusionSFTConfig(SFTConfig):
 
 
 class RefusionSFTTrainer(SFTTrainer):
-    """`SFTTrainer` whose loss is the model's own hybrid loss, logged with its AR and MDM parts.
+    """`SFTTrainer` whose loss is ReFusion's hybrid loss, logged with its parts.
 
     TRL's `compute_loss` routes around a model's loss (it asks for a fused next-token NLL), so it is replaced. The
-    AR and MDM losses of every micro-batch are summed on the device and averaged over steps and processes only when
-    the trainer logs, landing next to `loss` in `trainer_state.json`.
+    parts of every micro-batch's loss are summed on the device and averaged over steps and processes only when the
+    trainer logs, landing next to `loss` in `trainer_state.json`. With `soft_target_weight` the loss gains
+    `soft_target_weight * soft_target_loss` (`refusion_soft_target_loss`), its target computed in the same step by
+    the same network with the LoRA adapter disabled.
     """
 
     # The hybrid loss is a per-micro-batch mean: let `Trainer` divide it over the gradient accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, soft_target_weight: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
+        if soft_target_weight and not isinstance(self.model, PeftModel):
+            raise UsageError("--soft_target_weight needs a LoRA model: its targets come with the adapter disabled.")
+        self.soft_target_weight = soft_target_weight
+        self.loss_part_names = ("ar_loss", "mdm_loss") + (("soft_target_loss",) if soft_target_weight else ())
         self._loss_parts: dict[str, torch.Tensor] = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Hybrid loss of a `HybridObjectiveCollator` batch; AR and MDM parts are kept for the next log.
+        """Hybrid loss of a `HybridObjectiveCollator` batch; its parts are kept for the next log.
 
-        Replaced because `SFTTrainer.compute_loss` does not use the loss the model returns: it computes its own
-        next-token loss (and token accuracy) from shifted `labels`, which for a hybrid batch is wrong twice over:
-        labels are already aligned with the logits (no shift), and `[MASK]` positions carry the masked-diffusion
-        term, weighted by each example's noise level. The model's `forward` computes `ar_loss + mdm_loss_weight *
-        mdm_loss` (`refusion_hybrid_loss`); this method returns it and keeps its two parts for logging.
+        Replaced because `SFTTrainer.compute_loss` computes its own next-token loss (and token accuracy) from
+        shifted `labels`, which for a hybrid batch is wrong twice over: labels are already aligned with the logits
+        (no shift), and `[MASK]` positions carry the masked-diffusion term, weighted by each example's noise level.
+        The loss is `ar_loss + mdm_loss_weight * mdm_loss` (`refusion_hybrid_loss`, the batch's `mdm_token_weight`
+        applied when present) plus the soft-target term when it is on.
         """
         mode = "train" if model.training else "eval"
-        batch = {name: value for name, value in inputs.items() if name != "slot_size"}
-        outputs = model(**batch, use_cache=False)
-        parts = torch.stack([outputs.ar_loss.detach(), outputs.mdm_loss.detach(), torch.ones_like(outputs.ar_loss)])
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"],
+            use_cache=False,
+        )
+        fields = (inputs["is_masked"], inputs["noise_level"], inputs["response_length"])
+        token_weight = inputs.get("mdm_token_weight")
+        mdm_weight = self.accelerator.unwrap_model(model).config.mdm_loss_weight
+        loss, ar_loss, mdm_loss = refusion_hybrid_loss(
+            outputs.logits, inputs["labels"], *fields, mdm_weight=mdm_weight, token_weight=token_weight
+        )
+        parts = [ar_loss, mdm_loss]
+        if self.soft_target_weight:
+            target = converted_model_log_probs(self.accelerator.unwrap_model(model), inputs)
+            soft_loss = refusion_soft_target_loss(
+                outputs.logits, inputs["is_masked"], target, *fields[1:], token_weight=token_weight
+            )
+            loss = loss + self.soft_target_weight * soft_loss
+            parts.append(soft_loss)
+        parts = torch.stack([part.detach() for part in parts] + [torch.ones_like(ar_loss)])
         self._loss_parts[mode] = self._loss_parts.get(mode, 0) + parts.float()
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        outputs.loss, outputs.ar_loss, outputs.mdm_loss = loss, ar_loss, mdm_loss
+        return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluate the hybrid loss only, never gathering full-vocabulary logits."""
@@ -149,14 +198,39 @@ class RefusionSFTTrainer(SFTTrainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add `ar_loss` and `mdm_loss` (or `eval_*`) to the logs that carry a loss."""
+        """Add `ar_loss`, `mdm_loss` and (when on) `soft_target_loss`, or their `eval_*`, to the logs with a loss."""
         prefix = "eval_" if "eval_loss" in logs else ""
         mode = "eval" if prefix else "train"
         if f"{prefix}loss" in logs and mode in self._loss_parts:
-            ar_sum, mdm_sum, count = self.accelerator.reduce(self._loss_parts.pop(mode), reduction="sum").tolist()
-            logs[f"{prefix}ar_loss"] = ar_sum / count
-            logs[f"{prefix}mdm_loss"] = mdm_sum / count
+            *sums, count = self.accelerator.reduce(self._loss_parts.pop(mode), reduction="sum").tolist()
+            for name, total in zip(self.loss_part_names, sums):
+                logs[f"{prefix}{name}"] = total / count
         super().log(logs, start_time)
+
+
+@torch.no_grad()
+def converted_model_log_probs(model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probabilities (`[masked count, vocab]`, in the order of `is_masked.nonzero()`) that the converted model,
+    i.e. `model` with its adapter disabled, gives to the token at each `[MASK]` position given the true prefix.
+
+    One causal forward over the plain sequence in reading order (each `[MASK]` put back to its label, every token
+    at its position id); the distribution for position `q` is read from the output at `q - 1`.
+    """
+    input_ids, position_ids, is_masked = batch["input_ids"], batch["position_ids"], batch["is_masked"]
+    real = batch["attention_mask"].bool()
+    storage = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    # Real tokens hold positions 0..n-1 of their row, padding keeps its own (larger) storage index.
+    reading_index = torch.where(real, position_ids, storage)
+    restored = torch.where(is_masked, batch["labels"], input_ids)
+    plain = torch.empty_like(input_ids).scatter_(1, reading_index, restored)
+    network = model.get_base_model()
+    with model.disable_adapter():
+        hidden = network.model(
+            input_ids=plain, attention_mask=batch["attention_mask"], position_ids=storage, use_cache=False
+        ).last_hidden_state
+        rows, columns = is_masked.nonzero(as_tuple=True)
+        logits = network.lm_head(hidden[rows, position_ids[rows, columns] - 1])
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
 
 
 def is_refusion_checkpoint(name_or_path: str, revision: str | None = None) -> bool:

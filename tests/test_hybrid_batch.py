@@ -267,3 +267,167 @@ def test_collator_rejects_bad_features():
     collator = HybridObjectiveCollator(mask_token_id=MASK, pad_token_id=PAD, seed=0)
     with pytest.raises(ValueError, match="response of example 1 is empty"):
         collator([{"prompt_ids": [1], "response_ids": [2]}, {"prompt_ids": [1], "response_ids": []}])
+
+
+def check_masked_slots(batch: dict, b: int, prompt: list[int], response: list[int], masking: str) -> list[int]:
+    """Assert the layout of row `b` under `masking` (clean slots, then masked slots in reading order, each masked
+    slot a clean prefix followed by its [MASK]s) and return the clean prefix length of every masked slot."""
+    ids, pos = batch["input_ids"][b].tolist(), batch["position_ids"][b].tolist()
+    labels, masked = batch["labels"][b].tolist(), batch["is_masked"][b].tolist()
+    original = prompt + response
+    n_prompt, n = len(prompt), len(prompt) + len(response)
+    size = int(batch["slot_size"][b])
+    assert sorted(pos[:n]) == list(range(n)) and pos[:n_prompt] == list(range(n_prompt))
+    slot_of = [(q - n_prompt) // size for q in pos[n_prompt:n]]
+    masked_slots = {s for s, hidden in zip(slot_of, masked[n_prompt:n]) if hidden}
+    in_masked = [s in masked_slots for s in slot_of]
+    # Storage: every clean slot's tokens, then every masked slot's tokens, the latter in reading order.
+    assert in_masked == sorted(in_masked)
+    start = n_prompt + in_masked.index(True) if masked_slots else n
+    assert pos[start:n] == sorted(pos[start:n])
+    prefixes = []
+    for s in sorted(masked_slots):
+        stored = [i for i in range(start, n) if (pos[i] - n_prompt) // size == s]
+        hidden = [masked[i] for i in stored]
+        prefix = hidden.index(True)
+        assert hidden == [False] * prefix + [True] * (len(stored) - prefix), "clean prefix, then masks only"
+        for i in stored[:prefix]:  # visible context of the slot's masks, not a target
+            assert ids[i] == original[pos[i]] and labels[i] == IGNORE_INDEX
+        for i in stored[prefix:]:
+            assert ids[i] == MASK and labels[i] == original[pos[i]]
+        prefixes.append(prefix)
+    if masking == "whole":
+        assert set(prefixes) <= {0}
+    for i in range(n_prompt, start):  # clean slots keep their next-token labels
+        q = pos[i]
+        same_slot = q + 1 < n and (q + 1 - n_prompt) % size != 0
+        assert ids[i] == original[q] and labels[i] == (original[q + 1] if same_slot else IGNORE_INDEX)
+    return prefixes
+
+
+@pytest.mark.parametrize("masking", ["whole", "suffix", "mixed"])
+@pytest.mark.parametrize("slot_sizes", SLOT_SIZE_SETS)
+def test_slot_masking_layout_and_labels_over_many_seeds(masking, slot_sizes):
+    rng = random.Random(sum(slot_sizes))
+    prefixes = []
+    for seed in range(40):
+        prompts, responses = random_examples(rng, rng.randint(1, 6), slot_sizes)
+        batch = build_hybrid_batch(
+            prompts,
+            responses,
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            slot_sizes=slot_sizes,
+            generator=torch.Generator().manual_seed(seed),
+            slot_masking=masking,
+        )
+        assert {key: value.dtype for key, value in batch.items()} == DTYPES
+        for b, (prompt, response) in enumerate(zip(prompts, responses)):
+            prefixes += check_masked_slots(batch, b, prompt, response, masking)
+    if masking != "whole" and max(slot_sizes) > 1:
+        assert max(prefixes) > 0, "suffix masking never kept a clean prefix"
+
+
+def test_suffix_masking_keeps_the_papers_draws_and_changes_only_the_inside_of_masked_slots():
+    prompts, responses = random_examples(random.Random(5), 8, (4, 8))
+    whole, suffix = (
+        build_hybrid_batch(
+            prompts,
+            responses,
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            slot_sizes=(4, 8),
+            generator=torch.Generator().manual_seed(9),
+            slot_masking=masking,
+        )
+        for masking in ("whole", "suffix")
+    )
+    for key in ("noise_level", "slot_size", "response_length", "attention_mask", "position_ids"):
+        assert torch.equal(whole[key], suffix[key]), key
+    revealed = whole["is_masked"] & ~suffix["is_masked"]
+    assert revealed.any() and not (suffix["is_masked"] & ~whole["is_masked"]).any()
+    assert torch.equal(suffix["labels"][revealed], torch.full_like(suffix["labels"][revealed], IGNORE_INDEX))
+    same = ~revealed
+    for key in ("input_ids", "labels", "is_masked"):
+        assert torch.equal(whole[key][same], suffix[key][same]), key
+
+
+@pytest.mark.parametrize("masking", ["suffix", "mixed"])
+def test_clean_prefix_length_is_uniform_in_suffix_and_half_the_time_zero_in_mixed(masking):
+    generator = torch.Generator().manual_seed(0)
+    batch = build_hybrid_batch(
+        [[1, 2]] * 2000,
+        [list(range(3, 43))] * 2000,  # 10 slots of 4
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        slot_sizes=(4,),
+        generator=generator,
+        slot_masking=masking,
+    )
+    counts = Counter()
+    for b in range(2000):
+        counts.update(check_masked_slots(batch, b, [1, 2], list(range(3, 43)), masking))
+    total = sum(counts.values())
+    expected = [0.25] * 4 if masking == "suffix" else [0.625, 0.125, 0.125, 0.125]
+    assert set(counts) == {0, 1, 2, 3}
+    for prefix, share in enumerate(expected):
+        assert abs(counts[prefix] / total - share) < 0.015, (prefix, counts)
+
+
+def test_acceptance_weights_decay_geometrically_over_a_slots_masks_and_keep_its_total():
+    decay = 0.5
+    prompt, response = [1, 2, 3], list(range(10, 33))  # slots of 4; the last one holds 3 tokens
+    seen = set()
+    for seed in range(30):
+        batch = build_hybrid_batch(
+            [prompt],
+            [response],
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            slot_sizes=(4,),
+            generator=torch.Generator().manual_seed(seed),
+            slot_masking="suffix",
+            acceptance_decay=decay,
+        )
+        weight, masked = batch["mdm_token_weight"][0].tolist(), batch["is_masked"][0].tolist()
+        pos = batch["position_ids"][0].tolist()
+        assert all(w == 0.0 for w, hidden in zip(weight, masked) if not hidden)
+        for s in range(6):
+            stored = [i for i in range(len(pos)) if masked[i] and pos[i] >= 3 and (pos[i] - 3) // 4 == s]
+            if not stored:
+                continue
+            count = len(stored)
+            expected = [count * decay**k / sum(decay**j for j in range(count)) for k in range(count)]
+            assert [weight[i] for i in stored] == pytest.approx(expected, rel=1e-6)
+            seen.add(count)
+    assert seen == {1, 2, 3, 4}
+
+
+def test_acceptance_decay_one_weighs_every_mask_alike_and_bad_options_raise():
+    kwargs = dict(mask_token_id=MASK, pad_token_id=PAD, slot_sizes=(4,), generator=torch.Generator().manual_seed(0))
+    batch = build_hybrid_batch([[1]] * 4, [list(range(2, 30))] * 4, acceptance_decay=1.0, **kwargs)
+    assert torch.equal(batch["mdm_token_weight"], batch["is_masked"].float())
+    assert "mdm_token_weight" not in build_hybrid_batch([[1]], [[2, 3]], **kwargs)
+    with pytest.raises(ValueError, match="slot_masking"):
+        build_hybrid_batch([[1]], [[2, 3]], slot_masking="prefix", **kwargs)
+    for decay in (0.0, 1.5):
+        with pytest.raises(ValueError, match="acceptance_decay"):
+            build_hybrid_batch([[1]], [[2, 3]], acceptance_decay=decay, **kwargs)
+
+
+def test_collator_carries_the_objective_options():
+    config = SimpleNamespace(mask_token_id=MASK, train_slot_sizes=[4], mask_eps=1e-3)
+    collator = HybridObjectiveCollator.from_config(config, PAD, seed=3, slot_masking="suffix", acceptance_decay=0.7)
+    features = [{"prompt_ids": [1, 2], "response_ids": list(range(3, 40))}] * 16
+    batch = collator(features)
+    expected = build_hybrid_batch(
+        [[1, 2]] * 16,
+        [list(range(3, 40))] * 16,
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        slot_sizes=(4,),
+        generator=torch.Generator().manual_seed(3),
+        slot_masking="suffix",
+        acceptance_decay=0.7,
+    )
+    assert batch.keys() == expected.keys() and all(torch.equal(batch[key], expected[key]) for key in batch)

@@ -1,15 +1,18 @@
 """The ReFusion hybrid loss on `build_hybrid_batch` batches, against a slow reference from its definition."""
 
+import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
 from tiny import tiny_backbone
 
 from configuration_refusion import RefusionConfig
 from finetune.hybrid import IGNORE_INDEX, HybridObjectiveCollator, build_hybrid_batch
-from modeling_refusion import RefusionForCausalLM, refusion_hybrid_loss
+from finetune.trainer import converted_model_log_probs
+from modeling_refusion import RefusionForCausalLM, refusion_hybrid_loss, refusion_soft_target_loss
 
 VOCAB = 128
 MASK = VOCAB - 1
@@ -189,3 +192,114 @@ def test_collator_from_refusion_config_feeds_the_model():
     prompts, responses = examples(seed=1)
     batch = collator([{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)])
     assert torch.isfinite(model(**batch).loss)  # the logging-only `slot_size` key is accepted by forward
+
+
+def suffix_batch(decay: float | None = 0.6) -> tuple[dict[str, torch.Tensor], list[list[int]], torch.Tensor]:
+    """The first seeded suffix-masked batch with clean prefixes inside masked slots; its examples in reading order
+    and where those prefix tokens sit."""
+    for seed in range(100):
+        prompts, responses = examples(seed)
+        batches = [
+            build_hybrid_batch(
+                prompts,
+                responses,
+                mask_token_id=MASK,
+                pad_token_id=PAD,
+                slot_sizes=(4, 8),
+                generator=torch.Generator().manual_seed(seed),
+                slot_masking=masking,
+                acceptance_decay=decay,
+            )
+            for masking in ("whole", "suffix")
+        ]
+        revealed = batches[0]["is_masked"] & ~batches[1]["is_masked"]
+        if revealed.any() and batches[1]["is_masked"].any():
+            batch = batches[1]
+            batch.pop("slot_size")
+            return batch, [p + r for p, r in zip(prompts, responses)], revealed
+    raise AssertionError("no seed gave a clean prefix inside a masked slot")
+
+
+@pytest.mark.parametrize("architecture", sorted(BACKBONES))
+def test_a_clean_prefix_is_context_for_its_slots_masks_and_for_nothing_stored_before_it(architecture):
+    model = tiny_refusion(architecture)
+    batch, _, revealed = suffix_batch(decay=None)
+    b, i = (int(index) for index in revealed.nonzero()[0])
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    changed = {**inputs, "input_ids": inputs["input_ids"].clone()}
+    changed["input_ids"][b, i] = (changed["input_ids"][b, i] + 1) % MASK
+    with torch.no_grad():
+        differs = (model(**inputs).logits[b] - model(**changed).logits[b]).abs().amax(-1) > 1e-9
+    assert not differs[:i].any(), "attention is causal in storage order: the prompt and clean slots never see it"
+    position = batch["position_ids"][b]
+    # The masks right after it in storage are its own slot's remaining tokens, at the next reading positions.
+    masks_after = [j for j in range(i + 1, batch["input_ids"].shape[1]) if batch["is_masked"][b, j]]
+    own_slot = [j for j in masks_after if int(position[j]) == int(position[i]) + 1 + masks_after.index(j)]
+    assert own_slot and all(differs[j] for j in own_slot)
+
+
+@pytest.mark.parametrize("architecture", sorted(BACKBONES))
+def test_token_weights_multiply_each_masks_term_and_leave_the_ar_term(architecture):
+    model = tiny_refusion(architecture)
+    batch, _, _ = suffix_batch(decay=0.6)
+    weight = batch.pop("mdm_token_weight")
+    logits = model(**batch).logits.detach()
+    fields = (batch["labels"], batch["is_masked"], batch["noise_level"], batch["response_length"])
+    _, ar, mdm = refusion_hybrid_loss(logits, *fields, token_weight=weight)
+    _, ar_plain, mdm_plain = refusion_hybrid_loss(logits, *fields)
+    log_probs = logits.log_softmax(-1)
+    per_example = []
+    for b in range(logits.shape[0]):
+        scale = float(batch["noise_level"][b]) * int(batch["response_length"][b])
+        terms = [
+            -float(log_probs[b, i, batch["labels"][b, i]]) * float(weight[b, i])
+            for i in range(logits.shape[1])
+            if batch["is_masked"][b, i]
+        ]
+        per_example.append(sum(terms) / scale)
+    assert mdm.item() == pytest.approx(sum(per_example) / len(per_example), rel=1e-6)
+    assert torch.equal(ar, ar_plain) and not torch.allclose(mdm, mdm_plain)
+
+
+@pytest.mark.parametrize("architecture", sorted(BACKBONES))
+def test_soft_target_loss_equals_a_hand_computation_against_the_model_without_its_adapter(architecture):
+    model = tiny_refusion(architecture)
+    converted = copy.deepcopy(model)
+    torch.manual_seed(1)
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    batch, sequences, _ = suffix_batch(decay=0.6)
+    weight = batch.pop("mdm_token_weight")
+    target = converted_model_log_probs(adapted, batch)
+    logits = adapted(**batch).logits
+    soft = refusion_soft_target_loss(
+        logits, batch["is_masked"], target, batch["noise_level"], batch["response_length"], token_weight=weight
+    )
+
+    per_example, gap = [], 0.0
+    with torch.no_grad():
+        for b, sequence in enumerate(sequences):
+            total = 0.0
+            for i in batch["is_masked"][b].nonzero()[:, 0].tolist():
+                q = int(batch["position_ids"][b, i])  # the true prefix is the sequence before position q
+                prefix = torch.tensor([sequence[:q]])
+                wanted = converted(input_ids=prefix).logits[0, -1].log_softmax(-1)
+                gap = max(gap, float((adapted(input_ids=prefix).logits[0, -1].log_softmax(-1) - wanted).abs().max()))
+                predicted = logits[b, i].detach().log_softmax(-1)
+                total += float(weight[b, i]) * float((wanted.exp() * (wanted - predicted)).sum())
+            per_example.append(total / (float(batch["noise_level"][b]) * int(batch["response_length"][b])))
+    assert soft.item() == pytest.approx(sum(per_example) / len(per_example), rel=1e-6)
+    assert gap > 1e-3, "the adapter changes the model, so the target must come from the adapter-free network"
+    soft.backward()
+    lora_grads = [p.grad for name, p in adapted.named_parameters() if "lora_" in name]
+    assert lora_grads and all(g is not None for g in lora_grads) and any(g.abs().sum() > 0 for g in lora_grads)
+
+
+def test_soft_target_loss_is_zero_when_the_model_predicts_the_target():
+    batch, _, _ = suffix_batch(decay=None)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(*batch["labels"].shape, VOCAB, generator=generator).double()
+    target = logits[batch["is_masked"]].log_softmax(-1)
+    fields = (batch["noise_level"], batch["response_length"])
+    assert refusion_soft_target_loss(logits, batch["is_masked"], target, *fields).abs().item() < 1e-12
+    other = torch.randn(target.shape, generator=generator).double().log_softmax(-1)
+    assert refusion_soft_target_loss(logits, batch["is_masked"], other, *fields).item() > 0.0

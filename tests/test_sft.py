@@ -30,9 +30,10 @@ from finetune.convert import convert_to_refusion, save_refusion
 from finetune.data import load_rows, prepare_dataset
 from finetune.export import STAGING, publish
 from finetune.hybrid import HybridObjectiveCollator
-from finetune.sft import main
+from finetune.sft import main, make_parser
 from finetune.trainer import RefusionSFTConfig
 from modeling_refusion import RefusionForCausalLM
+from recipe.run import sft_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("sft_probe.py")
@@ -352,6 +353,40 @@ def test_user_mistakes_fail_in_one_line_before_training(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "refusion-sft: error: Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag', '1']"
     ]
+
+
+def test_objective_options_from_a_recipe_config_train_and_log_the_soft_target_term(tmp_path, capsys):
+    base_dir = save_base(tmp_path / "base", "llama")
+    data = write_data(tmp_path / "data", "query_response", "jsonl")
+    output_dir = tmp_path / "out"
+    settings = {  # a recipe `sft` section: recipe.run passes each key as a flag
+        "slot_masking": "mixed", "acceptance_decay": 0.7, "soft_target_weight": 0.5, "use_peft": True,
+        "lora_r": 8, "learning_rate": 1e-2, "lr_scheduler_type": "constant", "max_steps": 10,
+        "per_device_train_batch_size": 4, "logging_steps": 5, "save_strategy": "no", "slot_sizes": [2, 4],
+    }  # fmt: skip
+    arguments = sft_arguments(settings, (str(base_dir), None), data, output_dir)
+    refusion_args = make_parser().parse_args_and_config([*arguments, *QUIET])[3]
+    assert (refusion_args.slot_masking, refusion_args.acceptance_decay, refusion_args.soft_target_weight) == (
+        "mixed",
+        0.7,
+        0.5,
+    )
+    assert main([*arguments, *QUIET]) == 0
+    logs = logged_losses(output_dir)
+    assert len(logs) == 2
+    for log in logs:  # the soft-target term is logged unweighted and counts with its weight
+        assert log["soft_target_loss"] > 0
+        assert log["loss"] == pytest.approx(log["ar_loss"] + log["mdm_loss"] + 0.5 * log["soft_target_loss"], abs=1e-3)
+
+    capsys.readouterr()
+    common = ["--model_name_or_path", base_dir, "--dataset_name", data, "--output_dir", tmp_path / "x"]
+    assert run_cli(*common, "--soft_target_weight", 0.5) == 1
+    assert "add --use_peft" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert run_cli(*common, "--use_peft", "--acceptance_decay", 1.5) == 1
+    assert "--acceptance_decay must lie in (0, 1]" in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(SystemExit):
+        run_cli(*common, "--slot_masking", "prefix")
+    assert "invalid choice: 'prefix'" in capsys.readouterr().err
 
 
 def test_an_interrupted_final_write_never_leaves_a_folder_that_looks_complete(tmp_path, monkeypatch):
