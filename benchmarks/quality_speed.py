@@ -88,8 +88,9 @@ def markdown(results: dict) -> str:
         f"({results['chosen_reason']}).",
         "",
         "| decoder | batch | tokens/s | speed-up vs AR (same batch) | forwards | tokens/forward | authors' TPF "
-        "| outside forwards | gen. PPL (AR-scored) | exact match vs AR | word F1 vs AR | acc. where AR correct |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| outside forwards | gen. PPL (AR-scored) | exact match vs AR | word F1 vs AR | acc. where AR correct "
+        "| repeated 4-grams |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in results["rows"]:
         accuracy = row["accuracy_where_ar_correct"]
@@ -99,7 +100,8 @@ def markdown(results: dict) -> str:
             f"| {row['name']} | {row['batch_size']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x "
             f"| {row['forwards']} | {per_forward} | {'-' if steps is None else f'{steps:.2f}'} "
             f"| {row['orchestration']:.0%} | {row['generative_perplexity']:.2f} "
-            f"| {row['exact_match']:.2f} | {row['token_f1']:.2f} | {'-' if accuracy is None else f'{accuracy:.2f}'} |"
+            f"| {row['exact_match']:.2f} | {row['token_f1']:.2f} | {'-' if accuracy is None else f'{accuracy:.2f}'} "
+            f"| {row['repetition']:.2f} |"
         )
     if results["progress"]:
         lines += [

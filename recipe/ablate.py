@@ -40,8 +40,8 @@ def markdown(results: dict) -> str:
         "frontier benchmark: a short run's timing is at the mercy of whatever else the machine runs.)",
         "",
         "| variant | changes | train min | final ar_loss | final mdm_loss | tokens/forward | authors' TPF "
-        "| word F1 vs AR | gen. PPL | acc. where AR correct |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| word F1 vs AR | gen. PPL | acc. where AR correct | repeated 4-grams |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, entry in results["variants"].items():
         row, losses = entry["row"], entry["losses"]
@@ -50,9 +50,14 @@ def markdown(results: dict) -> str:
             f"| {name} | {entry['changes'] or '-'} | {entry['train_minutes']:.1f} | {losses['ar_loss']:.2f} "
             f"| {losses['mdm_loss']:.2f} | {row['tokens_per_forward']:.2f} | {row['step_tokens_per_forward']:.2f} "
             f"| {row['token_f1']:.2f} | {row['generative_perplexity']:.2f} "
-            f"| {'-' if accuracy is None else f'{accuracy:.2f}'} |"
+            f"| {'-' if accuracy is None else f'{accuracy:.2f}'} | {cell(row.get('repetition'))} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def cell(value: float | None) -> str:
+    """A table cell: two decimals, or '-' for a figure an older run did not record."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def final_losses(log_history: list[dict], window: int = 3) -> dict:

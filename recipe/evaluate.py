@@ -6,8 +6,8 @@
 A row holds speed (tokens/s, speed-up over the teacher's AR `generate()` at the same batch size, forwards, tokens
 per forward by our count and by the authors' per-step ratio, the share of time outside model forwards) and quality
 against the teacher (generative perplexity under the base model, exact match and word F1 with the teacher's
-answer, accuracy on the verifiable prompts the teacher answers correctly). The benchmark, the ablations and the
-recipe's per-stage budget curve all score through this one class.
+answer, accuracy on the verifiable prompts the teacher answers correctly) and repetition (share of repeated word
+4-grams). The benchmark, the ablations and the recipe's per-stage budget curve all score through this one class.
 """
 
 import copy
@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
 from recipe.decoding import DecodeRun, decode
-from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, token_f1
+from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, repetition, token_f1
 from recipe.model import shipped_decoding, with_adapter
 from recipe.prompts import Prompt, build_prompts, interleave_kinds, split_prompts
 
@@ -139,6 +139,7 @@ class Evaluation:
             ),
             "accuracy_verifiable": sum(contains_reference(texts[i], self.prompts[i].reference) for i in verifiable)
             / max(len(verifiable), 1),
+            "repetition": repetition(texts),
         }
         return row
 

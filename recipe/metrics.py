@@ -4,7 +4,9 @@
   answers' tokens given their prompts (lower is more fluent by the base model's own standard);
 - agreement with the teacher: exact match and word-level F1 (SQuAD-style: lowercased, punctuation and articles
   dropped, bag of words) between an answer and the base model's greedy answer to the same prompt;
-- verifiable accuracy: whether an answer contains the prompt's reference string as a whole word or number.
+- verifiable accuracy: whether an answer contains the prompt's reference string as a whole word or number;
+- repetition: the share of an answer's word 4-grams that already occurred earlier in the same answer, pooled over
+  answers (the loops a decoder falls into: "a machine that makes food, ... a machine that makes food").
 """
 
 import math
@@ -45,6 +47,21 @@ def contains_reference(answer: str, reference: str) -> bool:
     """Whether `reference` occurs in `answer` as whole words ("12" is not found in "112" or "1.25")."""
     pattern = rf"(?<![\w.]){re.escape(reference.lower())}(?![\w]|\.\d)"
     return re.search(pattern, answer.lower()) is not None
+
+
+def repeated_ngrams(text: str, n: int = 4) -> tuple[int, int]:
+    """`(repeated, total)` n-grams of `text`'s normalised words; an n-gram is repeated when it occurred earlier in
+    the same text (so a loop of k copies counts k - 1 times each of its n-grams)."""
+    tokens = words(text)
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) - len(set(grams)), len(grams)
+
+
+def repetition(texts: Sequence[str], n: int = 4) -> float:
+    """Share of repeated word n-grams over all `texts` together (`repeated_ngrams` pooled); 0.0 without n-grams."""
+    counts = [repeated_ngrams(text, n) for text in texts]
+    total = sum(count for _, count in counts)
+    return sum(repeated for repeated, _ in counts) / total if total else 0.0
 
 
 @torch.no_grad()

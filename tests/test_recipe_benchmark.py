@@ -12,7 +12,16 @@ from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
 from recipe.decoding import DecodeRun, cut_answer, decode, stop_token_ids
 from recipe.evaluate import Evaluation
-from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, token_f1, words
+from recipe.metrics import (
+    answer_nll,
+    contains_reference,
+    exact_match,
+    perplexity,
+    repeated_ngrams,
+    repetition,
+    token_f1,
+    words,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "List three colours.", "Two plus two is", "Explain rain to me."]
@@ -25,6 +34,19 @@ def test_agreement_metrics():
     assert token_f1("cat sat on mat", "cat sat") == pytest.approx(2 * (2 / 4) * 1.0 / (2 / 4 + 1.0))
     assert token_f1("cat cat", "cat") == pytest.approx(2 * 0.5 * 1 / 1.5)  # counts are clipped
     assert token_f1("", "") == 1.0 and token_f1("", "cat") == 0.0 and token_f1("dog", "cat") == 0.0
+
+
+def test_repetition_counts_the_4_grams_an_answer_already_said():
+    loop = "It's like a machine that makes food, but instead of machines, it's a machine that makes food."
+    # Normalised words: its like machine that makes food but instead of machines its machine that makes food
+    # (15 words, 12 4-grams); "machine that makes food" comes back once.
+    assert repeated_ngrams(loop) == (1, 12)
+    assert repeated_ngrams("one two three four one two three four one two three four") == (5, 9)
+    assert repeated_ngrams("Plants use sunlight, water and air to make sugar.") == (0, 6)
+    assert repeated_ngrams("too short") == (0, 0) and repeated_ngrams("b c d e b c", n=2) == (1, 5)
+    # Pooled over answers, not averaged per answer; no 4-gram at all is no repetition.
+    assert repetition([loop, "one two three four one two three four"]) == pytest.approx((1 + 1) / (12 + 5))
+    assert repetition(["yes", ""]) == 0.0
 
 
 def test_reference_must_be_a_whole_word_or_number():
@@ -123,6 +145,9 @@ def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_
     assert row["generative_perplexity"] == pytest.approx(perplexity(nll))
     assert row["speedup"] == pytest.approx(student.tokens_per_second / evaluation.teacher.tokens_per_second)
     assert row["tokens_per_forward"] == pytest.approx(student.tokens / 10)
+    assert row["repetition"] == pytest.approx(repetition(texts))
+    looping = DecodeRun([tokenizer.encode("cat sat on mat " * 4)] * 10, seconds=0.5, forwards=10)
+    assert evaluation.row("looping", "slots", looping)["repetition"] == pytest.approx(9 / 13)  # 13 4-grams, 4 distinct
     with pytest.raises(RuntimeError, match="outside the base vocabulary"):
         evaluation.row("mask", "slots", DecodeRun([[len(tokenizer)]] * 10, seconds=1.0, forwards=1))
 
@@ -139,6 +164,7 @@ def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_
     }
     table = quality_speed.markdown(results)
     assert "| student | 1 |" in table and "| checkpoint-2 | 2 |" in table and f"{row['speedup']:.2f}x" in table
+    assert "| repeated 4-grams |" in table and f"| {row['repetition']:.2f} |" in table
     quality_speed.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
