@@ -108,12 +108,22 @@ CONTEXT_FREE = (
 @dataclass
 class RefusionGenerateOutput(ModelOutput):
     """`sequences` (prompt + answer), the model calls, answer tokens committed per call, and the authors' figure:
-    the mean over plan steps of (slot_size x slots committed) / forwards of the step."""
+    the mean over plan steps of (slot_size x slots committed) / forwards of the step.
+
+    The acceptance profile, summed over rows (row 0: drafts from the plan, checked by the verify forward; row 1:
+    drafts checked in an infill round, after a slot's first correction): `draft_offered[s, k]` counts the drafts at
+    slot offset k checked with every draft before them in the same check accepted, `draft_accepted[s, k]` those
+    that passed, `draft_runs[s]` the slot checks (one accepted run each), `verify_forwards` the forwards that
+    checked drafts."""
 
     sequences: torch.LongTensor | None = None
     num_forward_passes: int | None = None
     tokens_per_forward: float | None = None
     step_tokens_per_forward: float | None = None
+    draft_offered: torch.LongTensor | None = None
+    draft_accepted: torch.LongTensor | None = None
+    draft_runs: torch.LongTensor | None = None
+    verify_forwards: int | None = None
 
 
 # ---- settings: one place that reads and validates them -------------------------------------------------------------
@@ -465,6 +475,40 @@ class Infilling:
         )
 
 
+class AcceptanceProfile:
+    """Draft checks of one row by source (`PLAN`, `REDRAFT`) and slot offset, counted on the device: recording a
+    check adds tensors and never waits for the host."""
+
+    PLAN, REDRAFT = range(2)
+
+    def __init__(self, slot_size: int, device):
+        self.offsets = torch.arange(slot_size, device=device)
+        self.offered = torch.zeros(2, slot_size, dtype=torch.long, device=device)
+        self.accepted = torch.zeros_like(self.offered)
+        self.runs = torch.zeros(2, dtype=torch.long, device=device)
+        self.forwards = 0
+
+    def add(self, source: int, checked: torch.Tensor, run_end: torch.Tensor) -> None:
+        """One forward's check: `checked` (`[slots, slot_size]`) marks the drafts it scored, `run_end` the offset of
+        each slot's first rejected draft (`slot_size` when none): a draft counts as offered up to it, accepted
+        before it."""
+        offered = checked & (self.offsets <= run_end[:, None])
+        self.offered[source] += offered.sum(dim=0)
+        self.accepted[source] += (offered & (self.offsets < run_end[:, None])).sum(dim=0)
+        self.runs[source] += offered.any(dim=1).sum()
+        self.forwards += 1
+
+    @staticmethod
+    def output_fields(profiles: list["AcceptanceProfile"]) -> dict:
+        """The `RefusionGenerateOutput` fields of `profiles` summed over rows."""
+        return {
+            "draft_offered": sum(profile.offered for profile in profiles),
+            "draft_accepted": sum(profile.accepted for profile in profiles),
+            "draft_runs": sum(profile.runs for profile in profiles),
+            "verify_forwards": sum(profile.forwards for profile in profiles),
+        }
+
+
 class InOrderWatcher:
     """Streams, and applies stopping criteria to, the in-order prefix of one answer as it grows. ReFusion commits
     slots out of reading order; only the contiguous prefix is final text."""
@@ -518,6 +562,7 @@ class SlotDecoder:
         self.next_group = 0
         self.forwards = self.committed_slots = 0
         self.step_ratios: list[float] = []  # per plan step: slot_size x committed slots / forwards (authors' TPF)
+        self.profile = AcceptanceProfile(size, self.device)
         prompt_positions = torch.arange(prompt.shape[0], device=self.device)
         self.record.append(Queries.causal(prompt, prompt_positions, 0, self._new_group()))
 
@@ -564,6 +609,7 @@ class SlotDecoder:
         rows = logits.view(len(chosen), size, -1)[:, :-1].reshape(-1, logits.shape[-1])
         ar_tokens, ar_probability = self._ar_check(rows, tokens, index, scored)
         accepted = accepted_lengths(~scored | passes(ar_probability, self.settings.token_threshold))
+        self.profile.add(AcceptanceProfile.PLAN, scored, accepted)
         eos = eos_offsets(tokens, accepted, self.eos)
         accepted_list, eos_list = torch.stack([accepted, eos]).tolist()
         leading = leading_complete(accepted_list, eos_list, size)
@@ -606,6 +652,8 @@ class SlotDecoder:
                 mask_rows = logits[num_fresh : num_fresh + num_drafting]
                 redrafts = state.tokens.clone()
                 redrafts[drafting] = self._pick(mask_rows, index[drafting], state.tokens, drafting)[0]
+            passed = (self.offsets < state.counts[:, None]) | passes(ar_probability, self.settings.token_threshold)
+            self.profile.add(AcceptanceProfile.REDRAFT, drafting, accepted_lengths(passed))
             tokens, counts = accept_and_correct(
                 state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold
             )
@@ -635,6 +683,7 @@ class SlotDecoder:
             _, ar_probability = self._ar_check(logits[source[scored]], tokens, index, scored)
             state.tokens = tokens
             state.counts = accept_reference(state.counts, ar_probability, self.settings.token_threshold)
+            self.profile.add(AcceptanceProfile.REDRAFT, scored, state.counts)
             eos = eos_offsets(tokens, state.counts, self.eos)
             ended = (eos < state.counts).nonzero()[:, 0].tolist()
             if ended:
@@ -965,6 +1014,7 @@ def refusion_generate(
         num_forward_passes=forwards,
         tokens_per_forward=sum(ends) / max(forwards, 1),
         step_tokens_per_forward=sum(ratios) / max(len(ratios), 1),
+        **AcceptanceProfile.output_fields([decoder.profile for decoder in decoders]),
     )
 
 

@@ -88,9 +88,9 @@ def markdown(results: dict) -> str:
         f"({results['chosen_reason']}).",
         "",
         "| decoder | batch | tokens/s | speed-up vs AR (same batch) | forwards | tokens/forward | authors' TPF "
-        "| outside forwards | gen. PPL (AR-scored) | exact match vs AR | word F1 vs AR | acc. where AR correct "
-        "| repeated 4-grams |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| accepted drafts / verify | outside forwards | gen. PPL (AR-scored) | exact match vs AR | word F1 vs AR "
+        "| acc. where AR correct | repeated 4-grams |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in results["rows"]:
         accuracy = row["accuracy_where_ar_correct"]
@@ -99,10 +99,12 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {row['name']} | {row['batch_size']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x "
             f"| {row['forwards']} | {per_forward} | {'-' if steps is None else f'{steps:.2f}'} "
-            f"| {row['orchestration']:.0%} | {row['generative_perplexity']:.2f} "
+            f"| {cell(row['accepted_run_per_verify'])} | {row['orchestration']:.0%} "
+            f"| {row['generative_perplexity']:.2f} "
             f"| {row['exact_match']:.2f} | {row['token_f1']:.2f} | {'-' if accuracy is None else f'{accuracy:.2f}'} "
             f"| {row['repetition']:.2f} |"
         )
+    lines += acceptance_table(results["rows"])
     if results["progress"]:
         lines += [
             "",
@@ -120,6 +122,33 @@ def markdown(results: dict) -> str:
                 f"| {'-' if accuracy is None else f'{accuracy:.2f}'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def acceptance_table(rows: list[dict], offsets: int = 7) -> list[str]:
+    """Markdown lines: for every ReFusion row at batch 1, the share of drafts accepted at slot offsets 1..`offsets`
+    given the drafts before them in the same check were, for plan drafts and for redrafts."""
+    profiled = [row for row in rows if row["batch_size"] == 1 and row["acceptance_by_offset"]]
+    if not profiled:
+        return []
+    header = " | ".join(f"k={k}" for k in range(1, offsets + 1))
+    lines = [
+        "",
+        "Acceptance profile (batch 1): share of the drafts at slot offset k that pass the check, given that the "
+        "drafts before them in the same check did; plan drafts are checked by the verify forward, redrafts in infill "
+        "rounds ('-': never checked). Accepted run: drafts accepted per slot check.",
+        "",
+        f"| decoder | source | accepted run | {header} |",
+        "| --- | --- | ---: |" + " ---: |" * offsets,
+    ]
+    for row in profiled:
+        for source, rates in row["acceptance_by_offset"].items():
+            cells = " | ".join(cell(rate) for rate in (rates[1 : offsets + 1] + [None] * offsets)[:offsets])
+            lines.append(f"| {row['name']} | {source} | {cell(row['accepted_run_per_check'])} | {cells} |")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Every run decodes the prompts in left-padded batches of `batch_size` and reports the answers (token ids, cut at
 the first stop token), the wall time spent in `generate()`, and the model forwards it took, so that tokens/s and
-tokens per forward of the two decoders are computed the same way.
+tokens per forward of the two decoders are computed the same way; a ReFusion run also reports how its drafts fared
+(`Acceptance`).
 """
 
 import time
@@ -12,6 +13,55 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
+SOURCES = ("plan", "redraft")  # rows of the decoder's acceptance counts
+
+
+@dataclass
+class Acceptance:
+    """ReFusion's draft checks over a run, by source (`SOURCES`) and slot offset (see `RefusionGenerateOutput`)."""
+
+    offered: list[list[int]]  # drafts checked at offset k with every draft before them in the check accepted
+    accepted: list[list[int]]  # of those, the ones that passed
+    runs: list[int]  # slot checks, one accepted run each
+    verify_forwards: int  # forwards that checked drafts
+
+    @classmethod
+    def of(cls, output) -> "Acceptance":
+        """The counts of one `generate()` output."""
+        offered, accepted, runs = (
+            getattr(output, name).tolist() for name in ("draft_offered", "draft_accepted", "draft_runs")
+        )
+        return cls(offered, accepted, runs, output.verify_forwards)
+
+    def __add__(self, other: "Acceptance") -> "Acceptance":
+        def add(a: list, b: list) -> list:
+            return [add(x, y) if isinstance(x, list) else x + y for x, y in zip(a, b)]
+
+        return Acceptance(
+            add(self.offered, other.offered),
+            add(self.accepted, other.accepted),
+            add(self.runs, other.runs),
+            self.verify_forwards + other.verify_forwards,
+        )
+
+    @property
+    def run_per_verify(self) -> float | None:
+        """Drafts accepted per forward that checked drafts (every slot it checked together)."""
+        return sum(map(sum, self.accepted)) / self.verify_forwards if self.verify_forwards else None
+
+    @property
+    def run_per_check(self) -> float | None:
+        """Drafts accepted per slot check: the mean accepted run."""
+        return sum(map(sum, self.accepted)) / sum(self.runs) if sum(self.runs) else None
+
+    def rates(self) -> dict[str, list[float | None]]:
+        """Per source, the share of the drafts at each slot offset that passed given that the drafts before them
+        in the same check did (None where none was checked)."""
+        return {
+            source: [a / o if o else None for a, o in zip(accepted, offered)]
+            for source, accepted, offered in zip(SOURCES, self.accepted, self.offered)
+        }
+
 
 @dataclass
 class DecodeRun:
@@ -20,6 +70,7 @@ class DecodeRun:
     forwards: int
     forward_seconds: float = 0.0  # of `seconds`, the time spent inside model forwards
     step_tokens_per_forward: list[float] | None = None  # ReFusion: the authors' per-step figure, per batch
+    acceptance: Acceptance | None = None  # ReFusion: its draft checks, summed over batches
 
     @property
     def orchestration(self) -> float:
@@ -109,7 +160,7 @@ def decode(
     hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     generate = GenerationMixin.generate if autoregressive else type(model).generate
     refusion = not autoregressive and getattr(model.generation_config, "slot_size", None) is not None
-    answers, seconds, step_ratios = [], 0.0, []
+    answers, seconds, step_ratios, acceptance = [], 0.0, [], None
     try:
         for start in range(0, len(prompts), batch_size):
             input_ids, attention_mask = left_padded(prompts[start : start + batch_size], tokenizer.pad_token_id)
@@ -133,9 +184,11 @@ def decode(
             if refusion:
                 forwards += output.num_forward_passes
                 step_ratios.append(output.step_tokens_per_forward)
+                counts = Acceptance.of(output)
+                acceptance = counts if acceptance is None else acceptance + counts
             else:
                 forwards += sequences.shape[1] - input_ids.shape[1]
     finally:
         for hook in hooks:
             hook.remove()
-    return DecodeRun(answers, seconds, forwards, forward_seconds, step_ratios or None)
+    return DecodeRun(answers, seconds, forwards, forward_seconds, step_ratios or None, acceptance)

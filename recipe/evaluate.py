@@ -4,10 +4,12 @@
     row = evaluation.adapter_row("stage 2", "recipe/artifacts/smollm2/adapter")     # ReFusion at the shipped setting
 
 A row holds speed (tokens/s, speed-up over the teacher's AR `generate()` at the same batch size, forwards, tokens
-per forward by our count and by the authors' per-step ratio, the share of time outside model forwards) and quality
-against the teacher (generative perplexity under the base model, exact match and word F1 with the teacher's
-answer, accuracy on the verifiable prompts the teacher answers correctly) and repetition (share of repeated word
-4-grams). The benchmark, the ablations and the recipe's per-stage budget curve all score through this one class.
+per forward by our count and by the authors' per-step ratio, the share of time outside model forwards; for ReFusion
+the acceptance profile: drafts accepted per verifying forward and per slot check, and by slot offset the share
+accepted given the drafts before them were, for plan drafts and redrafts), quality against the teacher
+(generative perplexity under the base model, exact match and word F1 with the teacher's answer, accuracy on the
+verifiable prompts the teacher answers correctly) and repetition (share of repeated word 4-grams). The benchmark,
+the ablations and the recipe's per-stage budget curve all score through this one class.
 """
 
 import copy
@@ -53,6 +55,9 @@ def speed(run: DecodeRun, ar_tokens_per_second: float) -> dict:
         "tokens_per_forward": run.tokens_per_forward,
         "step_tokens_per_forward": sum(steps) / len(steps) if steps else None,
         "orchestration": run.orchestration,
+        "accepted_run_per_verify": run.acceptance.run_per_verify if run.acceptance else None,
+        "accepted_run_per_check": run.acceptance.run_per_check if run.acceptance else None,
+        "acceptance_by_offset": run.acceptance.rates() if run.acceptance else None,
     }
 
 
