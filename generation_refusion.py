@@ -53,6 +53,7 @@ DECODING_DEFAULTS = {
     "block_length": 32,
     "infill_mode": "fast",
     "fused_redraft": False,
+    "draft_window": None,
 }
 DECODING_FIELDS = tuple(DECODING_DEFAULTS)
 # Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and whose mask
@@ -137,6 +138,7 @@ class DecodingSettings:
     block_length: int
     infill_mode: str
     fused_redraft: bool
+    draft_window: int | None
     max_new_tokens: int
     mask_token_id: int
     eos_token_ids: tuple[int, ...]
@@ -165,6 +167,11 @@ def check_decoding(given: dict, adapt_block_length: bool = False) -> dict:
         raise ValueError(f"fused_redraft must be True or False, got {decoding['fused_redraft']!r}.")
     if decoding["fused_redraft"] and decoding["infill_mode"] == "reference":
         raise ValueError("fused_redraft applies to infill_mode='fast'; the reference rule redrafts in its own forward.")
+    window = decoding["draft_window"]
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"draft_window must be None or an integer >= 1, got {window!r}.")
+    if window is not None and decoding["infill_mode"] == "reference":
+        raise ValueError("draft_window applies to infill_mode='fast'; the reference rule checks whole slots.")
     return decoding
 
 
@@ -221,6 +228,7 @@ def resolve_settings(
         block_length=decoding["block_length"],
         infill_mode=decoding["infill_mode"],
         fused_redraft=decoding["fused_redraft"],
+        draft_window=decoding["draft_window"],
         max_new_tokens=int(max_new_tokens),
         mask_token_id=int(mask_token_id),
         eos_token_ids=eos_token_ids,
@@ -293,9 +301,7 @@ def passes(probabilities: torch.Tensor, threshold: float) -> torch.Tensor:
     return probabilities > threshold if threshold > 0 else torch.ones_like(probabilities, dtype=torch.bool)
 
 
-def pick_tokens(
-    probabilities: torch.Tensor, mask_token_id: int, do_sample: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_tokens(probabilities: torch.Tensor, mask_token_id: int, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy or sampled token of every row, never the mask token, and its probability. Sampling uses the
     exponential trick (no host sync)."""
     if do_sample:
@@ -345,17 +351,23 @@ def accept_and_correct(
     ar_tokens: torch.Tensor,
     redrafts: torch.Tensor,
     threshold: float,
+    checked_until: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fast verification of the drafts after the first `counts` (already accepted) tokens of each slot.
 
     `ar_probability[:, i]` / `ar_tokens[:, i]` are the probability of `tokens[:, i]` and the model's own token at
-    position i, both from the logits of position i - 1. The passing drafts are kept, the model's token replaces the
-    first rejected one, and the positions after it take `redrafts`. Returns the new tokens and accepted counts."""
+    position i, both from the logits of position i - 1; they exist below `checked_until` (default: the whole slot).
+    The passing drafts are kept, the model's token replaces the first rejected one, and the positions after it take
+    `redrafts`; when every checked draft passes, no position past them is accepted. Returns the new tokens and
+    accepted counts."""
     offsets = torch.arange(tokens.shape[1], device=tokens.device)
-    first_rejected = accepted_lengths((offsets < counts[:, None]) | passes(ar_probability, threshold))
+    if checked_until is None:
+        checked_until = torch.full_like(counts, tokens.shape[1])
+    passed = (offsets < counts[:, None]) | passes(ar_probability, threshold)
+    first_rejected = accepted_lengths(passed & (offsets < checked_until[:, None]))
     corrected = torch.where(offsets == first_rejected[:, None], ar_tokens, redrafts)
     tokens = torch.where(offsets < first_rejected[:, None], tokens, corrected)
-    return tokens, (first_rejected + 1).clamp(max=tokens.shape[1])
+    return tokens, torch.where(first_rejected < checked_until, first_rejected + 1, first_rejected)
 
 
 def accept_reference(counts: torch.Tensor, ar_probability: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -604,15 +616,19 @@ class SlotDecoder:
             leading = leading_complete(counts.tolist(), eos, size)
             self._commit_run(chosen[:leading], tokens[:leading], eos[:leading], computed=False)
             return None
-        logits = yield from self._forward(self._causal(tokens.flatten(), index.flatten()))
-        scored = self.offsets.expand_as(tokens) > 0  # the logits at offset i score offset i + 1
-        rows = logits.view(len(chosen), size, -1)[:, :-1].reshape(-1, logits.shape[-1])
+        width = min(self.settings.draft_window or size, size)  # leading tokens of each slot in the forward
+        logits = yield from self._forward(self._causal(tokens[:, :width].flatten(), index[:, :width].flatten()))
+        until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
+        scored = ((self.offsets > 0) & (self.offsets < until)).expand_as(tokens)
+        rows = logits.view(len(chosen), width, -1)[:, : until - 1].reshape(-1, logits.shape[-1])
         ar_tokens, ar_probability = self._ar_check(rows, tokens, index, scored)
-        accepted = accepted_lengths(~scored | passes(ar_probability, self.settings.token_threshold))
+        accepted = accepted_lengths(
+            (self.offsets == 0) | (scored & passes(ar_probability, self.settings.token_threshold))
+        )
         self.profile.add(AcceptanceProfile.PLAN, scored, accepted)
         eos = eos_offsets(tokens, accepted, self.eos)
         accepted_list, eos_list = torch.stack([accepted, eos]).tolist()
-        leading = leading_complete(accepted_list, eos_list, size)
+        leading = leading_complete(accepted_list, eos_list, size) if width == size else 0  # else not all computed
         self._commit_run(chosen[:leading], tokens[:leading], eos_list[:leading], computed=True)
         rest, groups = slice(leading, None), self._new_groups(len(chosen) - leading)
         if self.settings.infill_mode == "reference":
@@ -621,7 +637,13 @@ class SlotDecoder:
             return Infilling(chosen, tokens, accepted, torch.zeros_like(counts), groups, len(self.record))
         redrafts = tokens[rest] if self.settings.fused_redraft else ar_tokens[rest]  # fused: keep the plan's drafts
         new_tokens, new_counts = accept_and_correct(
-            tokens[rest], counts[rest], ar_probability[rest], ar_tokens[rest], redrafts, self.settings.token_threshold
+            tokens[rest],
+            counts[rest],
+            ar_probability[rest],
+            ar_tokens[rest],
+            redrafts,
+            self.settings.token_threshold,
+            torch.full_like(counts[rest], until),
         )
         stored = torch.zeros_like(new_counts)
         return self._settle(Infilling(chosen[rest], new_tokens, new_counts, stored, groups, len(self.record)))
@@ -632,30 +654,31 @@ class SlotDecoder:
         own token replaces the first rejected one, and the rest are redrafted from the same forward."""
         fused = self.settings.fused_redraft
         while state is not None:
-            index, fresh, drafting = self._infill_layout(state)
+            index, fresh, queried, checked, until = self._infill_layout(state)
             parts = [self._grouped(state, index, fresh, state.tokens, state.groups)]
             if fused:
                 mask_groups = self._new_groups(len(state.slots))
                 masks = torch.full_like(state.tokens, self.settings.mask_token_id)
-                parts.append(self._grouped(state, index, drafting, masks, mask_groups, parents=state.groups))
-            parts.append(self._grouped(state, index, drafting, state.tokens, state.groups))
+                parts.append(self._grouped(state, index, checked, masks, mask_groups, parents=state.groups))
+            parts.append(self._grouped(state, index, queried, state.tokens, state.groups))
             logits = yield from self._forward(Queries.cat(parts))
             self.record.keep(parts[0])
-            num_fresh, num_drafting = len(parts[0]), int(drafting.sum())
+            num_fresh, num_queried = len(parts[0]), len(parts[-1])
             row_of = torch.zeros_like(index)
             row_of[fresh] = torch.arange(num_fresh, device=self.device)
-            row_of[drafting] = len(logits) - num_drafting + torch.arange(num_drafting, device=self.device)
+            row_of[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
             source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
-            ar_tokens, ar_probability = self._ar_check(logits[source[drafting]], state.tokens, index, drafting)
+            ar_tokens, ar_probability = self._ar_check(logits[source[checked]], state.tokens, index, checked)
             redrafts = ar_tokens
             if fused:
-                mask_rows = logits[num_fresh : num_fresh + num_drafting]
+                mask_rows = logits[num_fresh : len(logits) - num_queried]
                 redrafts = state.tokens.clone()
-                redrafts[drafting] = self._pick(mask_rows, index[drafting], state.tokens, drafting)[0]
+                redrafts[checked] = self._pick(mask_rows, index[checked], state.tokens, checked)[0]
             passed = (self.offsets < state.counts[:, None]) | passes(ar_probability, self.settings.token_threshold)
-            self.profile.add(AcceptanceProfile.REDRAFT, drafting, accepted_lengths(passed))
+            run_end = accepted_lengths(passed & (self.offsets < until[:, None]))
+            self.profile.add(AcceptanceProfile.REDRAFT, checked, run_end)
             tokens, counts = accept_and_correct(
-                state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold
+                state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
             )
             state.stored, state.tokens, state.counts = state.counts, tokens, counts
             state = self._settle(state)
@@ -818,9 +841,16 @@ class SlotDecoder:
             self._stop_at(stop)
 
     def _infill_layout(self, state: Infilling):
-        index = self._slot_index(state.slots)
+        """Where the tokens of an infill round go: `fresh` accepted tokens not yet stored, drafts `queried` in the
+        forward, and the positions `checked` by it (below `until`): the first draft by the last fresh token, each
+        later one by the draft before it. At most `draft_window` drafts are queried; the last position of a slot
+        scores nothing in it, so its draft is never queried."""
+        index, size = self._slot_index(state.slots), self.settings.slot_size
+        until = (state.counts + (self.settings.draft_window or size) + 1).clamp(max=size)
         fresh = (self.offsets >= state.stored[:, None]) & (self.offsets < state.counts[:, None])
-        return index, fresh, self.offsets >= state.counts[:, None]
+        checked = (self.offsets >= state.counts[:, None]) & (self.offsets < until[:, None])
+        queried = checked & (self.offsets < until[:, None] - 1)
+        return index, fresh, queried, checked, until
 
     def _grouped(self, state, index, where, tokens, groups, parents=None) -> Queries:
         """The `where` tokens of the infilling slots, each seeing the sequence before `state.prefix` and its group."""
