@@ -199,6 +199,34 @@ def test_ablations_train_each_variant_from_scratch_and_tabulate_them(tiny_recipe
         ablate(config, only=["no such variant"])
 
 
+def test_an_ablation_section_can_continue_an_adapter_train_the_objective_options_and_score_the_fused_redraft(
+    tiny_recipe,
+):
+    config, _, _ = tiny_recipe
+    config["stages"] = config["stages"][:1]
+    run(config, evaluate=False)
+    artifacts = Path(config["artifacts_dir"])
+    config["objective_ablations"] = {
+        "steps": 2, "rows": 6, "prompts": 2, "score_fused": True,
+        "sft": {"init_adapter": str(artifacts / "adapter"), "logging_steps": 1},
+        "variants": {"baseline": {}, "mixed + decay + soft": {
+            "slot_masking": "mixed", "acceptance_decay": 0.7, "soft_target_weight": 1.0}},
+    }  # fmt: skip
+    results = ablate(config, section="objective_ablations")
+    assert list(results["variants"]) == ["baseline", "mixed + decay + soft"]
+    assert results["init_adapter"] == str(artifacts / "adapter")
+    for entry in results["variants"].values():
+        assert entry["row"]["acceptance_by_offset"] is not None and entry["fused_row"]["forwards"] > 0
+    state = json.loads((Path(config["output_dir"]) / "objective_ablations" / "mixed-decay-soft" /
+                        "trainer_state.json").read_text())  # fmt: skip
+    assert any("soft_target_loss" in log for log in state["log_history"])
+    table = (artifacts / "objective_ablations.md").read_text()
+    assert table.startswith("2 LoRA steps continuing ") and "| mixed + decay + soft |" in table
+    assert not (artifacts / "ablations.json").exists()  # each section keeps its own results
+    with pytest.raises(ValueError, match="no 'nothing' section"):
+        ablate(config, section="nothing")
+
+
 def test_budget_curve_points_follow_the_stages_minutes_and_steps(tmp_path):
     row = {"tokens_per_forward": 1.0, "step_tokens_per_forward": 1.5, "speedup": 0.7, "token_f1": 0.5,
            "generative_perplexity": 2.0, "accuracy_where_ar_correct": 1.0}  # fmt: skip
