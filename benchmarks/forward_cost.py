@@ -1,7 +1,7 @@
 """What one model forward of the shipped model costs on this machine, by number of queries and dtype.
 
     python -m benchmarks.forward_cost [--cache 120] [--widths 1 2 4 8 16 32 64] [--dtypes float32 bfloat16]
-        [--repeats 10] [--prompts 8] [--output_dir benchmarks/results/smollm2-cpu]
+        [--repeats 10] [--prompts 8] [--device cpu] [--output_dir benchmarks/results/smollm2-cpu]
 
 ReFusion beats autoregressive decoding when tokens per forward exceed the price of a ReFusion forward relative to
 an AR one. This measures that price. For each dtype and number of new tokens (queries) after a cache of `--cache`
@@ -39,14 +39,21 @@ from recipe.model import load_base, with_adapter
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second the CPU (or GPU) reads from memory: the best of `repeats` full reads of a large tensor."""
-    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second `device` reads from its memory: the best of `repeats` full reads of a large tensor."""
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     data.sum()
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         data.sum()
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return data.numel() * 4 / best
 
@@ -60,7 +67,7 @@ def decoder_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tens
     """One forward as the decoder makes it: a causal run of `ids` after the cache, through the 4-D storage-order
     mask (built here, as the decoder builds it per forward), explicit position ids and `logits_to_keep`."""
     past, width = cache.get_seq_length(), ids.shape[1]
-    ranks = torch.arange(past + width)[None]
+    ranks = torch.arange(past + width, device=ids.device)[None]
     groups = torch.zeros_like(ranks)
     new, new_groups = ranks[:, past:], groups[:, past:]
     mask = attention_mask(ranks, groups, new, new, new_groups, new_groups - 1, past, model.dtype)
@@ -70,7 +77,7 @@ def decoder_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tens
 def causal_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tensor) -> None:
     """One forward as autoregressive decoding makes it: a 2-D padding mask, positions implied by the cache."""
     past, width = cache.get_seq_length(), ids.shape[1]
-    mask = torch.ones(1, past + width, dtype=torch.long)
+    mask = torch.ones(1, past + width, dtype=torch.long, device=ids.device)
     model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=width)
 
 
@@ -81,16 +88,19 @@ def forward_times(model: PreTrainedModel, cache_length: int, widths, repeats: in
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     cache = DynamicCache()
-    model(input_ids=torch.randint(0, vocab, (1, cache_length), generator=generator), cache=cache, use_cache=True)
+    prompt = torch.randint(0, vocab, (1, cache_length), generator=generator).to(model.device)
+    model(input_ids=prompt, cache=cache, use_cache=True)
     times = {}
     for width in widths:
-        ids = torch.randint(0, vocab, (1, width), generator=generator)
+        ids = torch.randint(0, vocab, (1, width), generator=generator).to(model.device)
         call(model, cache, ids)  # warm-up: first-call allocations
         cache.crop(-width)
         samples = []
         for _ in range(repeats):
+            synchronize(model.device)
             start = time.perf_counter()
             call(model, cache, ids)
+            synchronize(model.device)
             samples.append(time.perf_counter() - start)
             cache.crop(-width)
         times[width] = 1000 * statistics.median(samples)
@@ -195,16 +205,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for the decode mix")
     parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
 
     base, tokenizer = load_base()
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
+    model, base = model.to(device), base.to(device)
     prompt_ids = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
     mix = decode_mix(model, refusion_tokenizer, prompt_ids, args.max_new_tokens)
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device)
     results = {
-        "machine": f"{platform.machine()} CPU",
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cache": args.cache,

@@ -2,13 +2,15 @@
 
     python -m benchmarks.quality_speed [--prompts 32] [--max_new_tokens 64] [--adapter recipe/artifacts/smollm2/adapter]
         [--checkpoints outputs/recipe-smollm2/stage-2/refusion/checkpoint-62 ...] [--device cpu] [--dtype float32]
+        [--ar_dtypes float32 bfloat16]
         [--output_dir benchmarks/results/smollm2-cpu]
 
 Same held-out prompts (never trained on), same weights, one run. Decoders: the base model's greedy generate()
-(the AR teacher), the converted model decoded token by token with transformers' generate() (what the adapter costs,
-apart from the decoding order), ReFusion over a grid around the shipped decoding setting (infill mode fast /
-reference / fast with the fused MDM redraft; slot sizes 4-32; block lengths 16-64; slot thresholds 0.3-0.8; token
-thresholds 0.1-0.9), and the token-level ablation (slot size 1). Every decoder is scored by
+(the AR teacher, also timed in each of `--ar_dtypes`: the fastest AR decoding is the 1.0x of every batch-1
+speed-up), the converted model decoded token by token with transformers' generate() (what the adapter costs, apart
+from the decoding order), ReFusion over a grid around the shipped decoding setting (infill mode fast / reference /
+fast with the fused MDM redraft; draft windows of 2 and 4; slot sizes 4-32; block lengths 16-64; slot thresholds
+0.3-0.8; token thresholds 0.1-0.9), and the token-level ablation (slot size 1). Every decoder is scored by
 `recipe.evaluate.Evaluation`: tokens/s and speed-up over AR at batch 1 (and at batch 8 for AR and the chosen
 setting), forwards, tokens per forward by our definition (committed / forwards) and by the authors' (mean per-step
 ratio), the share of time outside model forwards, generative perplexity under the base model, agreement with the
@@ -20,6 +22,7 @@ and generative perplexity, else the best word F1 at >= 1 token per forward. With
 """
 
 import argparse
+import copy
 import json
 import re
 import time
@@ -29,12 +32,12 @@ import torch
 
 from recipe.decoding import DecodeRun, decode
 from recipe.evaluate import Evaluation
-from recipe.model import SHIPPED_ADAPTER, load_base, shipped_decoding, with_adapter
+from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, shipped_decoding, with_adapter
 
 CENTRE = shipped_decoding()  # the shipped model's generation defaults (recipe/smollm2.yaml, `decoding`)
 VARIATIONS = {  # name -> changes from CENTRE; one knob at a time, plus the authors' own default
     "shipped default": {},
-    "reference": dict(infill_mode="reference"),
+    "reference": dict(infill_mode="reference", draft_window=None),
     "fused redraft": dict(fused_redraft=True),
     "slot 4": dict(slot_size=4),
     "slot 8": dict(slot_size=8),
@@ -47,8 +50,12 @@ VARIATIONS = {  # name -> changes from CENTRE; one knob at a time, plus the auth
     "token thr 0.9": dict(token_threshold=0.9),
     "slot thr 0.5, token thr 0.1": dict(slot_threshold=0.5, token_threshold=0.1),
     "slot 8 + fused redraft": dict(slot_size=8, fused_redraft=True),
+    "draft window 2": dict(draft_window=2),
+    "draft window 4": dict(draft_window=4),
+    "block 16, draft window 2": dict(block_length=16, draft_window=2),
+    "fused redraft, draft window 4": dict(fused_redraft=True, draft_window=4),
     "reference, slot 4, block 16, 0.6/0.3 (authors')": dict(
-        infill_mode="reference", slot_size=4, block_length=16, slot_threshold=0.6
+        infill_mode="reference", slot_size=4, block_length=16, slot_threshold=0.6, draft_window=None
     ),
     "slot 1 (tokens), 0.5": dict(slot_size=1, slot_threshold=0.5),
 }
@@ -75,6 +82,16 @@ def choose_setting(rows: list[dict], reference: dict) -> tuple[str, str]:
     return max(candidates, key=lambda row: row["token_f1"])["name"], "best word F1 (none reaches 1 token/forward)"
 
 
+def against_fastest_ar(rows: list[dict]) -> str:
+    """Rescale the batch-1 speed-ups to the fastest batch-1 AR row (AR timed in several dtypes); return its name."""
+    base_ar = [row for row in rows if row["name"].startswith(AR) and row["batch_size"] == 1]
+    fastest = max(base_ar, key=lambda row: row["tokens_per_second"])
+    for row in rows:
+        if row["batch_size"] == 1:
+            row["speedup"] = row["tokens_per_second"] / fastest["tokens_per_second"]
+    return fastest["name"]
+
+
 def markdown(results: dict) -> str:
     """The results as Markdown tables."""
     ar = results["rows"][0]
@@ -82,7 +99,8 @@ def markdown(results: dict) -> str:
         f"Held-out prompts: {results['prompts']}, max_new_tokens {results['max_new_tokens']}, "
         f"{results['machine']}, {results['dtype']}. AR generative perplexity {ar['generative_perplexity']:.2f}; "
         f"AR accuracy on the verifiable prompts {ar['accuracy_verifiable']:.2f} ({results['ar_correct']} correct). "
-        f"Times: the fastest of {results.get('repeats', 1)} run(s) of each decoder.",
+        f"Times: the fastest of {results.get('repeats', 1)} run(s) of each decoder. Speed-ups at batch 1 are against "
+        f"the fastest AR decoding: {results.get('fastest_ar', AR)}.",
         "",
         f"Centre setting: {CENTRE}; each ReFusion row changes what its name says. Chosen: **{results['chosen']}** "
         f"({results['chosen_reason']}).",
@@ -197,20 +215,23 @@ def main() -> None:
     parser.add_argument("--settings", nargs="*", default=list(GRID), help=f"names from the grid: {list(GRID)}")
     parser.add_argument("--batch8", action="store_true", help="also time AR and the chosen setting at batch 8")
     parser.add_argument("--repeats", type=int, default=1, help="time every decoder this often, keep the fastest")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 where native, else float32")
+    parser.add_argument(
+        "--ar_dtypes", nargs="*", default=["float32", "bfloat16"], help="AR is also timed in these; the fastest is 1.0x"
+    )
     parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
     args = parser.parse_args()
     unknown = set(args.settings) - set(GRID)
     if unknown:
         parser.error(f"unknown settings {sorted(unknown)}; the grid has {list(GRID)}")
 
-    dtype = getattr(torch, args.dtype)
+    dtype = decoding_dtype(args.dtype, args.device)
     base, tokenizer = load_base()
-    base = base.to(args.device, dtype).eval()
+    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer, args.adapter)  # merged in float32, then cast
+    ar_models = {other: copy.deepcopy(base).to(args.device, other) for other in map(decoding_dtype, args.ar_dtypes)}
+    base, model = base.to(args.device, dtype), model.to(args.device, dtype)
     evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
-    model, refusion_tokenizer = with_adapter(base, tokenizer, args.adapter)
-    model = model.to(args.device, dtype)
     decode(model, refusion_tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
 
     def scored(name: str, kind: str, run: DecodeRun, batch_size: int = 1) -> dict:
@@ -226,11 +247,18 @@ def main() -> None:
 
     outputs = {AR: evaluation.teacher_texts}
     rows = [evaluation.ar_row]
+    for other, ar_model in ar_models.items():
+        if other != dtype:
+            decode(ar_model, tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)
+            run = evaluation.timed(ar_model, tokenizer)
+            rows.append(evaluation.row(f"{AR}, {str(other).removeprefix('torch.')}", "ar", run, 1, evaluation.teacher))
+    del ar_models
     converted = evaluation.converted_ar_run(model, refusion_tokenizer)
     rows.append(converted_row := scored(CONVERTED_AR, "ar", converted))
     for name in args.settings:
         kind = "tokens" if GRID[name]["slot_size"] == 1 else "slots"
         rows.append(scored(name, kind, evaluation.timed(model, refusion_tokenizer, **GRID[name])))
+    fastest_ar = against_fastest_ar(rows)
     chosen, reason = choose_setting(rows, converted_row)
     if args.batch8:
         rows.append(evaluation.ar_row_at(8))
@@ -247,7 +275,8 @@ def main() -> None:
     results = {
         "machine": evaluation.machine,
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": str(dtype).removeprefix("torch."),
+        "fastest_ar": fastest_ar,
         "torch": torch.__version__,
         "prompts": len(prompts),
         "repeats": args.repeats,

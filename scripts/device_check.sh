@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, as one run of about 8 minutes: install this package, run the CUDA tests (cached
+# == recomputed, batched == alone, bfloat16 decoding, a bitsandbytes QLoRA step), then price a forward of the
+# shipped model by width and dtype and run its quality-speed benchmark in bfloat16 (AR and ReFusion). Everything
+# lands in one folder: $OUT when set (the device tool's), else device-results/.
+#
+#   bash scripts/device_check.sh                 # a GPU machine with PyPI: keeps the machine's CUDA torch
+#   WHEELS=.whl bash scripts/device_check.sh     # offline: the missing packages from a folder of wheels
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-device-results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python="${PYTHON:-python3}"
+
+nvidia-smi > "$out/nvidia-smi.txt"
+if [ -n "${WHEELS:-}" ]; then
+    "$python" -m pip install --quiet --no-index --find-links "$WHEELS" -e ".[test]"
+else
+    "$python" -m pip install --quiet -e ".[test]"
+fi
+"$python" - <<'PY' | tee "$out/machine.txt"
+import torch
+assert torch.cuda.is_available(), "no CUDA device: this script checks the GPU path"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}, "
+      f"bf16 {torch.cuda.is_bf16_supported()}")
+PY
+
+status=0
+timeout 240 "$python" -m pytest -q -rs tests/test_cuda.py tests/test_dtype_policy.py 2>&1 | tee "$out/cuda_tests.txt" \
+    || status=1
+timeout 120 "$python" -m benchmarks.forward_cost --device cuda --dtypes bfloat16 float32 \
+    --widths 1 2 4 8 16 32 64 128 --output_dir "$out" 2>&1 | tee "$out/forward_cost.log" || status=1
+timeout 180 "$python" -m benchmarks.quality_speed --device cuda --dtype bfloat16 --prompts 16 \
+    --settings "shipped default" "fused redraft" --output_dir "$out" 2>&1 | tee "$out/quality_speed.log" || status=1
+exit "$status"
