@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import DynamicCache, PreTrainedModel
 
 from finetune.chat import prompt_token_ids
@@ -81,20 +82,30 @@ def causal_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tenso
     model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=width)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built so far in this process."""
+    return counters["stats"]["unique_graphs"]
+
+
 @torch.no_grad()
-def forward_times(model: PreTrainedModel, cache_length: int, widths, repeats: int, call) -> dict[int, float]:
+def forward_times(
+    model: PreTrainedModel, cache_length: int, widths, repeats: int, call
+) -> tuple[dict[int, float], int]:
     """Median milliseconds of `call` (`decoder_forward` or `causal_forward`) at each width after a cache of
-    `cache_length` random tokens; the cache is cropped back after every call, so each one sees the same past."""
+    `cache_length` random tokens; the cache is cropped back after every call, so each one sees the same past. Also
+    the graphs a compiled forward built during the timed calls (after each width's warm-up call): its
+    recompilations in steady state."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     cache = DynamicCache()
     prompt = torch.randint(0, vocab, (1, cache_length), generator=generator).to(model.device)
     model(input_ids=prompt, cache=cache, use_cache=True)
-    times = {}
+    times, recompiled = {}, 0
     for width in widths:
         ids = torch.randint(0, vocab, (1, width), generator=generator).to(model.device)
-        call(model, cache, ids)  # warm-up: first-call allocations
+        call(model, cache, ids)  # warm-up: first-call allocations (and compilation)
         cache.crop(-width)
+        graphs = compiled_graphs()
         samples = []
         for _ in range(repeats):
             synchronize(model.device)
@@ -104,7 +115,8 @@ def forward_times(model: PreTrainedModel, cache_length: int, widths, repeats: in
             samples.append(time.perf_counter() - start)
             cache.crop(-width)
         times[width] = 1000 * statistics.median(samples)
-    return times
+        recompiled += compiled_graphs() - graphs
+    return times, recompiled
 
 
 @torch.no_grad()
@@ -148,7 +160,9 @@ def markdown(results: dict) -> str:
         "| --- | --- | " + " | ".join("---:" for _ in widths) + " | ---: |",
     ]
     for dtype, entry in results["dtypes"].items():
-        for call in ("decoder", "causal"):
+        for call in ("decoder", "causal", "decoder, compiled", "causal, compiled"):
+            if call not in entry:
+                continue
             cells = " | ".join(f"{entry[call][str(w)]:.0f}" for w in widths)
             lines.append(f"| {dtype} | {call} | {cells} | {entry['floor_ms']:.0f} |")
     mix = results["mix"]
@@ -206,6 +220,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for the decode mix")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd forwards (dynamic shapes)")
     parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -227,13 +242,14 @@ def main() -> None:
         "mix_prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "mix": {str(width): count for width, count in sorted(mix.items())},
+        "compile": args.compile,
         "dtypes": {},
     }
     for name in args.dtypes:
         dtype = getattr(torch, name)
         refusion, ar = copy.deepcopy(model).to(dtype), copy.deepcopy(base).to(dtype)
-        decoder = forward_times(refusion, args.cache, args.widths, args.repeats, decoder_forward)
-        causal = forward_times(ar, args.cache, args.widths, args.repeats, causal_forward)
+        decoder, _ = forward_times(refusion, args.cache, args.widths, args.repeats, decoder_forward)
+        causal, _ = forward_times(ar, args.cache, args.widths, args.repeats, causal_forward)
         refusion_mean = sum(count * price_at(decoder, width) for width, count in mix.items()) / sum(mix.values())
         entry = {
             "decoder": {str(w): t for w, t in decoder.items()},
@@ -243,6 +259,16 @@ def main() -> None:
             "refusion_mean_ms": refusion_mean,
             "price_ratio": refusion_mean / causal[min(causal)],
         }
+        if args.compile:
+            refusion.forward = torch.compile(refusion.forward, dynamic=True)
+            ar.forward = torch.compile(ar.forward, dynamic=True)
+            decoder, decoder_recompiled = forward_times(
+                refusion, args.cache, args.widths, args.repeats, decoder_forward
+            )
+            causal, causal_recompiled = forward_times(ar, args.cache, args.widths, args.repeats, causal_forward)
+            entry["decoder, compiled"] = {str(w): t for w, t in decoder.items()}
+            entry["causal, compiled"] = {str(w): t for w, t in causal.items()}
+            entry["recompilations"] = decoder_recompiled + causal_recompiled
         results["dtypes"][name] = entry
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(entry)}", flush=True)
         del refusion, ar

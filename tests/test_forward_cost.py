@@ -46,8 +46,9 @@ def test_both_calls_give_the_same_logits_for_a_causal_run(converted, call):
 
 def test_forward_times_leave_the_cache_as_they_found_it(converted):
     model, _ = converted
-    times = forward_cost.forward_times(model, 12, [1, 3], repeats=2, call=forward_cost.decoder_forward)
+    times, recompiled = forward_cost.forward_times(model, 12, [1, 3], repeats=2, call=forward_cost.decoder_forward)
     assert set(times) == {1, 3} and all(milliseconds > 0 for milliseconds in times.values())
+    assert recompiled == 0  # an eager forward builds no graph
 
 
 def test_decode_mix_counts_every_forward_but_each_answers_first(converted):
