@@ -344,6 +344,18 @@ def leading_complete(counts: list[int], eos: list[int], slot_size: int) -> int:
     return leading
 
 
+def first_rejected(
+    counts: torch.Tensor, ar_probability: torch.Tensor, threshold: float, checked_until: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Offset of each slot's first draft, after its `counts` accepted tokens, that fails `threshold` among the
+    positions checked (below `checked_until`, default the whole slot); `checked_until` when every one passes."""
+    offsets = torch.arange(ar_probability.shape[1], device=ar_probability.device)
+    if checked_until is None:
+        checked_until = torch.full_like(counts, ar_probability.shape[1])
+    passed = (offsets < counts[:, None]) | passes(ar_probability, threshold)
+    return accepted_lengths(passed & (offsets < checked_until[:, None]))
+
+
 def accept_and_correct(
     tokens: torch.Tensor,
     counts: torch.Tensor,
@@ -363,11 +375,10 @@ def accept_and_correct(
     offsets = torch.arange(tokens.shape[1], device=tokens.device)
     if checked_until is None:
         checked_until = torch.full_like(counts, tokens.shape[1])
-    passed = (offsets < counts[:, None]) | passes(ar_probability, threshold)
-    first_rejected = accepted_lengths(passed & (offsets < checked_until[:, None]))
-    corrected = torch.where(offsets == first_rejected[:, None], ar_tokens, redrafts)
-    tokens = torch.where(offsets < first_rejected[:, None], tokens, corrected)
-    return tokens, torch.where(first_rejected < checked_until, first_rejected + 1, first_rejected)
+    rejected = first_rejected(counts, ar_probability, threshold, checked_until)
+    corrected = torch.where(offsets == rejected[:, None], ar_tokens, redrafts)
+    tokens = torch.where(offsets < rejected[:, None], tokens, corrected)
+    return tokens, torch.where(rejected < checked_until, rejected + 1, rejected)
 
 
 def accept_reference(counts: torch.Tensor, ar_probability: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -674,8 +685,7 @@ class SlotDecoder:
                 mask_rows = logits[num_fresh : len(logits) - num_queried]
                 redrafts = state.tokens.clone()
                 redrafts[checked] = self._pick(mask_rows, index[checked], state.tokens, checked)[0]
-            passed = (self.offsets < state.counts[:, None]) | passes(ar_probability, self.settings.token_threshold)
-            run_end = accepted_lengths(passed & (self.offsets < until[:, None]))
+            run_end = first_rejected(state.counts, ar_probability, self.settings.token_threshold, until)
             self.profile.add(AcceptanceProfile.REDRAFT, checked, run_end)
             tokens, counts = accept_and_correct(
                 state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
