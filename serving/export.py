@@ -35,7 +35,8 @@ def load_refusion(source: str | Path | None = None) -> tuple[RefusionForCausalLM
 
         base, tokenizer = load_base()
         return with_adapter(base, tokenizer)
-    return RefusionForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=True)  # its config names our class
+    return RefusionForCausalLM.from_pretrained(source), tokenizer
 
 
 def export_native(output_dir: str | Path, source: str | Path | None = None) -> Path:
