@@ -27,7 +27,9 @@ def test_cpu_decodes_in_bfloat16_only_where_it_is_native(monkeypatch, capabiliti
     assert native_bfloat16("cpu") == (expected == torch.bfloat16)
 
 
-@pytest.mark.parametrize(("available", "bf16", "expected"), [(True, True, torch.bfloat16), (True, False, torch.float32)])
+@pytest.mark.parametrize(
+    ("available", "bf16", "expected"), [(True, True, torch.bfloat16), (True, False, torch.float32)]
+)
 def test_cuda_decodes_in_bfloat16_where_the_gpu_has_it(monkeypatch, available, bf16, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
