@@ -33,16 +33,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from finetune.chat import prompt_token_ids
 from generation_refusion import attention_mask
-from recipe.decoding import decode
+from recipe.decoding import decode, synchronize
 from recipe.evaluate import benchmark_prompts
 from recipe.model import load_base, with_adapter
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:

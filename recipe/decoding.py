@@ -122,7 +122,8 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[to
     return input_ids, attention_mask
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device to finish its queued work (CUDA), so that host timers measure it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -149,12 +150,12 @@ def decode(
 
     def enter(*_):
         nonlocal started
-        _synchronize(model.device)
+        synchronize(model.device)
         started = time.perf_counter()
 
     def leave(*_):
         nonlocal forward_seconds
-        _synchronize(model.device)
+        synchronize(model.device)
         forward_seconds += time.perf_counter() - started
 
     hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
@@ -165,7 +166,7 @@ def decode(
         for start in range(0, len(prompts), batch_size):
             input_ids, attention_mask = left_padded(prompts[start : start + batch_size], tokenizer.pad_token_id)
             input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
-            _synchronize(model.device)
+            synchronize(model.device)
             begin = time.perf_counter()
             output = generate(
                 model,
@@ -177,7 +178,7 @@ def decode(
                 **({"return_dict_in_generate": True} if refusion else {}),
                 **generate_kwargs,
             )
-            _synchronize(model.device)
+            synchronize(model.device)
             seconds += time.perf_counter() - begin
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             answers += [cut_answer(row, stop_ids) for row in sequences[:, input_ids.shape[1] :].tolist()]
