@@ -99,8 +99,8 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 ```
 
 `generate` runs ReFusion's plan-and-infill decoding; `slot_size`, `slot_threshold`, `token_threshold`,
-`block_length`, `infill_mode` (`"fast"`, or `"reference"` for the authors' released rule) and `fused_redraft` can be
-passed to it (defaults in `generation_config.json`), beside the usual `generate()` options.
+`block_length`, `infill_mode` (`"fast"`, or `"reference"` for the authors' released rule), `fused_redraft` and
+`draft_window` can be passed to it (defaults in `generation_config.json`), beside the usual `generate()` options.
 
 {FORMATS[summary.format]}
 
