@@ -9,6 +9,7 @@ tokens per forward of the two decoders are computed the same way; a ReFusion run
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
@@ -159,7 +160,9 @@ def decode(
         forward_seconds += time.perf_counter() - started
 
     hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
-    generate = GenerationMixin.generate if autoregressive else type(model).generate
+    # The bound `model.generate`: a native export loaded with trust_remote_code carries ReFusion's decoder as an
+    # instance attribute (transformers' custom_generate), which the class's method would bypass.
+    generate = partial(GenerationMixin.generate, model) if autoregressive else model.generate
     refusion = not autoregressive and getattr(model.generation_config, "slot_size", None) is not None
     answers, seconds, step_ratios, acceptance = [], 0.0, [], None
     try:
@@ -169,7 +172,6 @@ def decode(
             synchronize(model.device)
             begin = time.perf_counter()
             output = generate(
-                model,
                 input_ids,
                 attention_mask=attention_mask,
                 max_new_tokens=max_new_tokens,

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 from tiny import tiny_backbone, tiny_tokenizer
+from transformers import AutoModelForCausalLM
 
 from benchmarks import quality_speed
 from finetune.chat import prompt_token_ids
-from finetune.convert import convert_to_refusion
+from finetune.convert import convert_to_refusion, save_refusion
 from recipe.decoding import DecodeRun, cut_answer, decode, stop_token_ids
 from recipe.evaluate import Evaluation
 from recipe.metrics import (
@@ -121,6 +122,24 @@ def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():
         assert cut_answer(output.sequences[0, len(prompt) :].tolist(), stop_token_ids(model, tokenizer)) == answer
         forwards += output.num_forward_passes
     assert one_by_one.forwards == forwards
+
+
+def test_decode_runs_the_refusion_decoder_a_native_export_carries(tmp_path):
+    """A native export is the backbone's own class; its decoder arrives as an instance-level `generate` (transformers'
+    custom_generate, loaded with trust_remote_code), which `decode` must call rather than the class's AR one."""
+    tokenizer = tiny_tokenizer()
+    backbone = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
+    model, tokenizer = convert_to_refusion(backbone, tokenizer)
+    settings = dict(slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3)
+    folder = save_refusion(model, tokenizer, tmp_path / "native", format="native")
+    native = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float64).eval()
+    assert type(native).__name__ == "LlamaForCausalLM"
+    prompts = prompt_token_ids(tokenizer, PROMPTS[:2])
+    exported = decode(native, tokenizer, prompts, max_new_tokens=12, **settings)
+    converted = decode(model.double().eval(), tokenizer, prompts, max_new_tokens=12, **settings)
+    assert exported.answers == converted.answers
+    assert exported.forwards == converted.forwards
+    assert exported.acceptance is not None  # the ReFusion decoder's own record: not transformers' AR generate()
 
 
 def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_them(tmp_path):
