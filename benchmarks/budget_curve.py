@@ -7,7 +7,8 @@ Reads the recipe's training log (`python -m recipe.run` scores every stage, and 
 same held-out prompts at the shipped decoding setting; `--evaluate_missing` adds the untrained conversion) and
 writes `budget_curve.md` (a table) and `budget_curve.png`: tokens per forward (ours and the authors' per-step
 ratio), wall-clock speed-up over the base model's AR `generate()`, word F1 against the teacher (with the converted
-model's own AR decoding for reference) and generative perplexity, each against cumulative minutes (distillation +
+model's own AR decoding for reference), generative perplexity, accepted drafts per verifying forward and repeated
+4-grams (with the base model's AR answers' for reference), each against cumulative minutes (distillation +
 training) on the machine that trained it.
 """
 
@@ -22,6 +23,8 @@ METRICS = {  # key -> column title
     "token_f1": "word F1 vs AR",
     "generative_perplexity": "gen. PPL",
     "accuracy_where_ar_correct": "acc. where AR correct",
+    "accepted_run_per_verify": "accepted drafts / verify",
+    "repetition": "repeated 4-grams",
 }
 
 
@@ -57,14 +60,18 @@ def cell(value) -> str:
 
 def markdown(found: list[dict]) -> str:
     lines = [
-        "| point | CPU minutes | LoRA steps | " + " | ".join(METRICS.values()) + " | converted AR word F1 |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: |",
+        "| point | CPU minutes | LoRA steps | "
+        + " | ".join(METRICS.values())
+        + " | converted AR word F1 | AR repeated 4-grams |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: |",
     ]
     for point in found:
         row, converted = point["refusion"], point.get("converted_ar")
         values = " | ".join(cell(row.get(key)) for key in METRICS)
         reference = cell(converted["token_f1"]) if converted else "-"
-        lines.append(f"| {point['name']} | {point['minutes']:.0f} | {point['steps']} | {values} | {reference} |")
+        ar_repetition = cell(point["ar"].get("repetition")) if "ar" in point else "-"
+        head = f"| {point['name']} | {point['minutes']:.0f} | {point['steps']}"
+        lines.append(f"{head} | {values} | {reference} | {ar_repetition} |")
     return "\n".join(lines) + "\n"
 
 

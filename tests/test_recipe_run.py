@@ -229,7 +229,7 @@ def test_an_ablation_section_can_continue_an_adapter_train_the_objective_options
 
 def test_budget_curve_points_follow_the_stages_minutes_and_steps(tmp_path):
     row = {"tokens_per_forward": 1.0, "step_tokens_per_forward": 1.5, "speedup": 0.7, "token_f1": 0.5,
-           "generative_perplexity": 2.0, "accuracy_where_ar_correct": 1.0}  # fmt: skip
+           "generative_perplexity": 2.0, "accuracy_where_ar_correct": 1.0, "repetition": 0.25}  # fmt: skip
     evaluation = {"ar": row, "refusion": row, "converted_ar": row}
     log = {
         "untrained": evaluation,
@@ -247,6 +247,7 @@ def test_budget_curve_points_follow_the_stages_minutes_and_steps(tmp_path):
         ("stage-2", 120.0, 180),
     ]
     table = budget_curve.markdown(found)
-    assert "| stage-1, step 50 | 45 | 50 | 1.00 | 1.50 | 0.70 | 0.50 | 2.00 | 1.00 | - |" in table
+    assert "| stage-1, step 50 | 45 | 50 | 1.00 | 1.50 | 0.70 | 0.50 | 2.00 | 1.00 | - | 0.25 | - | - |" in table
+    assert "| stage-1 | 70 | 100 | 1.00 | 1.50 | 0.70 | 0.50 | 2.00 | 1.00 | - | 0.25 | 0.50 | 0.25 |" in table
     budget_curve.plot(found, tmp_path / "curve.png", "test")
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
