@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
@@ -24,7 +24,10 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.chat import Message, prompt_token_ids
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # TRL's argument classes, read by `prepare_training_data`; not imported for the rest
+    from trl import ScriptArguments, SFTConfig
+
+logger = logging.getLogger("finetune.sft")  # the run's log, which `finetune.sft` shows
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 FORMATS = {
@@ -231,3 +234,45 @@ def prepare_dataset(
     if len(tokenized) == 0:
         raise DataFormatError(f"Every row is longer than max_length={max_length}; nothing is left to train on.")
     return PreparedData(tokenized, row_format, len(dataset), truncated, len(dataset) - len(tokenized))
+
+
+def prepare_training_data(
+    script_args: "ScriptArguments",
+    training_args: "SFTConfig",
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    overlong: str = "truncate",
+) -> tuple[PreparedData, PreparedData | None]:
+    """The train split, and the test split when evaluating, loaded and tokenized as TRL's arguments ask.
+
+    The tokenizer first takes `--eos_token` and `--chat_template_path`, since the rows are tokenized with them. The
+    main process prepares the data first, the others after it (from the `datasets` cache where there is one).
+    """
+    if training_args.eos_token is not None:
+        if training_args.eos_token not in tokenizer.get_vocab():
+            raise ValueError(f"--eos_token {training_args.eos_token!r} is not in the tokenizer's vocabulary.")
+        tokenizer.eos_token = training_args.eos_token
+    if script_args.dataset_name is None:
+        raise ValueError("--dataset_name is required (a .json/.jsonl/.parquet file, a folder of them, or a Hub id).")
+    if script_args.dataset_streaming:
+        raise ValueError("--dataset_streaming is not supported: rows are checked before training starts.")
+    if training_args.chat_template_path is not None:
+        tokenizer.chat_template = Path(training_args.chat_template_path).read_text(encoding="utf-8")
+    splits = [script_args.dataset_train_split]
+    if training_args.eval_strategy != "no":
+        splits.append(script_args.dataset_test_split)
+    prepared = []
+    with training_args.main_process_first(desc="dataset preparation"):
+        for split in splits:
+            rows = load_rows(script_args.dataset_name, script_args.dataset_config, split=split)
+            prepared.append(
+                prepare_dataset(
+                    rows,
+                    tokenizer,
+                    max_length=training_args.max_length,
+                    overlong=overlong,
+                    num_proc=training_args.dataset_num_proc,
+                )
+            )
+            logger.info("%s split: %s", split, prepared[-1].summary(training_args.max_length))
+    return prepared[0], (prepared[1] if len(prepared) > 1 else None)

@@ -1,6 +1,8 @@
-"""The pieces `finetune.sft` assembles: ReFusion's options, the `SFTConfig` and `SFTTrainer` subclasses, and the
-model (an autoregressive checkpoint converted on the fly, or a ReFusion one) with its LoRA config."""
+"""The pieces `finetune.sft` assembles: ReFusion's options and the checks on them, the `SFTConfig` and `SFTTrainer`
+subclasses, the checkpoint a run resumes from, and the model (an autoregressive checkpoint converted on the fly, or a
+ReFusion one) with its LoRA config."""
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,8 @@ QUANTIZATION_ATTRIBUTES = (
     "is_loaded_in_4bit",
     "is_loaded_in_8bit",
 )
+
+logger = logging.getLogger("finetune.sft")  # the run's log, which `finetune.sft` shows
 
 
 class UsageError(ValueError):
@@ -134,6 +138,56 @@ class RefusionSFTConfig(SFTConfig):
         super().__post_init__()
 
 
+def check_arguments(
+    training_args: RefusionSFTConfig, model_args: ModelConfig, refusion_args: RefusionArguments
+) -> None:
+    """Reject option combinations the hybrid objective cannot honour, before anything is loaded."""
+    if model_args.model_name_or_path is None:
+        raise UsageError("--model_name_or_path is required.")
+    if refusion_args.init_adapter is not None and not model_args.use_peft:
+        raise UsageError("--init_adapter continues a LoRA adapter: add --use_peft.")
+    if training_args.packing or training_args.padding_free:
+        raise UsageError("--packing and --padding_free are not supported: each row is laid out as its own slots.")
+    if refusion_args.soft_target_weight and not model_args.use_peft:
+        raise UsageError(
+            "--soft_target_weight takes its targets from the model with its adapter disabled: add --use_peft."
+        )
+    if refusion_args.soft_target_weight < 0:
+        raise UsageError(f"--soft_target_weight must be >= 0, got {refusion_args.soft_target_weight}.")
+    if refusion_args.acceptance_decay is not None and not 0.0 < refusion_args.acceptance_decay <= 1.0:
+        raise UsageError(f"--acceptance_decay must lie in (0, 1], got {refusion_args.acceptance_decay}.")
+    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
+        raise UsageError("--load_in_4bit/--load_in_8bit train adapters only: add --use_peft.")
+    if training_args.chat_template_path is not None and not training_args.chat_template_path.endswith(
+        (".jinja", ".j2")
+    ):
+        raise UsageError("--chat_template_path must be a .jinja file.")
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest `checkpoint-N` that was fully written (the Trainer writes `trainer_state.json` last)."""
+    checkpoints = [
+        path
+        for path in Path(output_dir).glob("checkpoint-*")
+        if path.name.removeprefix("checkpoint-").isdigit() and (path / "trainer_state.json").is_file()
+    ]
+    return max(checkpoints, key=lambda path: int(path.name.removeprefix("checkpoint-")), default=None)
+
+
+def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> str | None:
+    """Map `--resume_from_checkpoint` (a path, or `true`/`last` for the newest complete one) to a checkpoint path."""
+    if resume_from_checkpoint is None or resume_from_checkpoint.lower() in ("false", "none", ""):
+        return None
+    if resume_from_checkpoint.lower() in ("true", "last"):
+        checkpoint = last_complete_checkpoint(output_dir)
+        if checkpoint is None:
+            raise UsageError(f"--resume_from_checkpoint: no complete checkpoint in {output_dir!r}.")
+        return str(checkpoint)
+    if not (Path(resume_from_checkpoint) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume_from_checkpoint: {resume_from_checkpoint!r} is not a complete checkpoint.")
+    return resume_from_checkpoint
+
+
 class RefusionSFTTrainer(SFTTrainer):
     """`SFTTrainer` whose loss is ReFusion's hybrid loss, logged with its parts.
 
@@ -141,14 +195,36 @@ class RefusionSFTTrainer(SFTTrainer):
     parts of every micro-batch's loss are summed on the device and averaged over steps and processes only when the
     trainer logs, landing next to `loss` in `trainer_state.json`. With `soft_target_weight` the loss gains
     `soft_target_weight * soft_target_loss` (`refusion_soft_target_loss`), its target computed in the same step by
-    the same network with the LoRA adapter disabled.
+    the same network with the LoRA adapter disabled. With `init_adapter` a saved LoRA adapter continues its training
+    (`continued_adapter`) in place of the fresh one `peft_config` describes.
     """
 
     # The hybrid loss is a per-micro-batch mean: let `Trainer` divide it over the gradient accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, soft_target_weight: float = 0.0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model,
+        args: SFTConfig | None = None,
+        *,
+        peft_config: LoraConfig | None = None,
+        init_adapter: str | os.PathLike | None = None,
+        soft_target_weight: float = 0.0,
+        **kwargs,
+    ):
+        if init_adapter is not None:
+            model, peft_config = continued_adapter(model, init_adapter), None
+            logger.info("Continuing the LoRA adapter %s (its own rank and targets apply).", init_adapter)
+        # A loaded model's `model_init_kwargs` were used by `load_model` (and are again if the base is reloaded to
+        # merge the adapter); hidden from `SFTTrainer`, which would otherwise warn that they are ignored.
+        model_init_kwargs = None if isinstance(model, str) else getattr(args, "model_init_kwargs", None)
+        if model_init_kwargs is not None:
+            args.model_init_kwargs = None
+        try:
+            super().__init__(model, args, peft_config=peft_config, **kwargs)
+        finally:
+            if model_init_kwargs is not None:
+                args.model_init_kwargs = model_init_kwargs
         if soft_target_weight and not isinstance(self.model, PeftModel):
             raise UsageError("--soft_target_weight needs a LoRA model: its targets come with the adapter disabled.")
         self.soft_target_weight = soft_target_weight

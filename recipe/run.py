@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from finetune import sft
-from finetune.sft import last_complete_checkpoint
+from finetune.trainer import last_complete_checkpoint
 from recipe.distill import distill
 from recipe.evaluate import Evaluation
 from recipe.model import base_location, load_base
