@@ -4,11 +4,13 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-TRAIN = ["trl>=1.16,<2", "peft>=0.21,<1", "datasets>=4", "accelerate>=1.10", "bitsandbytes>=0.49"]
+TRL, PEFT, DATASETS = "trl>=1.16,<2", "peft>=0.21,<1", "datasets>=4"
+TRAIN = [TRL, PEFT, DATASETS, "accelerate>=1.10", "bitsandbytes>=0.49"]
 GGUF = ["gguf>=0.17", "accelerate>=1.10"]
 EVAL = ["lm-eval>=0.4.10,<0.5"]
-DEMO = [*GGUF, "peft>=0.21,<1"]  # the built-in default model with the recipe's LoRA adapter
-BENCH = [*DEMO, "matplotlib>=3.7"]
+DEMO = [*GGUF, PEFT]  # the built-in default model with the recipe's LoRA adapter
+# Every benchmark's imports: the shipped model (DEMO), the plots, and TRL's trainer for benchmarks.train_step.
+BENCH = [*DEMO, "matplotlib>=3.7", TRL, DATASETS]
 TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF, *EVAL, *BENCH]
 
 setup(

@@ -1,7 +1,6 @@
 """The budget curve: what the shipped model's decoding reaches after each stage of training, against CPU minutes.
 
-    python -m benchmarks.budget_curve [--artifacts recipe/artifacts/smollm2]
-        [--output_dir benchmarks/results/smollm2-cpu]
+    python -m benchmarks.budget_curve --output_dir DIR [--artifacts recipe/artifacts/smollm2]
 
 Reads the recipe's training log (`python -m recipe.run` scores every stage, and the checkpoints inside it, on the
 same held-out prompts at the shipped decoding setting; `--evaluate_missing` adds the untrained conversion) and
@@ -9,12 +8,15 @@ writes `budget_curve.md` (a table) and `budget_curve.png`: tokens per forward (o
 ratio), wall-clock speed-up over the base model's AR `generate()`, word F1 against the teacher (with the converted
 model's own AR decoding for reference), generative perplexity, accepted drafts per verifying forward and repeated
 4-grams (with the base model's AR answers' for reference), each against cumulative minutes (distillation +
-training) on the machine that trained it.
+training) on the machine that trained it. `--output_dir` has no default: the curve of another recipe's artifacts
+names its own folder rather than overwriting the committed one (`benchmarks/results/smollm2-cpu`).
 """
 
 import argparse
 import json
 from pathlib import Path
+
+from recipe.report import cell, write_results
 
 METRICS = {  # key -> column title
     "tokens_per_forward": "tokens/forward",
@@ -52,10 +54,6 @@ def points(log: dict) -> list[dict]:
         if "evaluation" in record:
             found.append({"name": record["stage"], "minutes": minutes, "steps": steps, **record["evaluation"]})
     return found
-
-
-def cell(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def markdown(found: list[dict]) -> str:
@@ -114,18 +112,16 @@ def plot(found: list[dict], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifacts", default="recipe/artifacts/smollm2")
-    parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
+    parser.add_argument("--output_dir", required=True, help="where budget_curve.md and .png go (overwritten)")
     args = parser.parse_args(argv)
     log = json.loads((Path(args.artifacts) / "training_log.json").read_text(encoding="utf-8"))
     found = points(log)
     if not found:
         parser.error(f"{args.artifacts}/training_log.json holds no evaluated point; run `python -m recipe.run`.")
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     table = markdown(found)
-    (output_dir / "budget_curve.md").write_text(table, encoding="utf-8")
-    plot(found, output_dir / "budget_curve.png", f"ReFusion SmolLM2-135M: the budget curve ({args.artifacts})")
+    title = f"ReFusion SmolLM2-135M: the budget curve ({args.artifacts})"
     print(table)
+    write_results(args.output_dir, "budget_curve", table, plot=lambda path: plot(found, path, title))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What one model forward of the shipped model costs on this machine, by number of queries and dtype.
 
-    python -m benchmarks.forward_cost [--cache 120] [--widths 1 2 4 8 16 32 64] [--dtypes float32 bfloat16]
-        [--repeats 10] [--prompts 8] [--device cpu] [--output_dir benchmarks/results/smollm2-cpu]
+    python -m benchmarks.forward_cost --output_dir DIR [--cache 120] [--widths 1 2 4 8 16 32 64]
+        [--dtypes float32 bfloat16] [--dtype float32] [--repeats 10] [--prompts 8] [--device cpu]
 
 ReFusion beats autoregressive decoding when tokens per forward exceed the price of a ReFusion forward relative to
 an AR one. This measures that price. For each dtype and number of new tokens (queries) after a cache of `--cache`
@@ -13,8 +13,10 @@ tokens, the median time of:
 
 Beside them: the memory-bound floor (weight bytes / measured read bandwidth: no forward can be faster), and the
 decode mix of the shipped default (how many forwards of each width one answer spends, from hooks on the model
-while it answers held-out prompts), which turns the curve into the average price of a ReFusion forward and the
-tokens per forward ReFusion needs to tie with AR. Writes `forward_cost.json`, `.md` and `.png`.
+while it answers held-out prompts, decoding in `--dtype`, by default the dtype policy's,
+`recipe.model.decoding_dtype`), which turns the curve into the average price of a ReFusion forward and the tokens
+per forward ReFusion needs to tie with AR. Writes `forward_cost.json`, `.md` and `.png` into `--output_dir`, which
+has no default: a run elsewhere names its own folder rather than overwriting the committed results.
 """
 
 import argparse
@@ -35,7 +37,8 @@ from finetune.chat import prompt_token_ids
 from generation_refusion import attention_mask
 from recipe.decoding import decode, synchronize
 from recipe.evaluate import benchmark_prompts
-from recipe.model import load_base, with_adapter
+from recipe.model import decoding_dtype, load_base, with_adapter
+from recipe.report import write_results
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -161,12 +164,12 @@ def markdown(results: dict) -> str:
             cells = " | ".join(f"{entry[call][str(w)]:.0f}" for w in widths)
             lines.append(f"| {dtype} | {call} | {cells} | {entry['floor_ms']:.0f} |")
     mix = results["mix"]
+    counts = ", ".join(f"{w}: {n}" for w, n in sorted(mix.items(), key=lambda item: int(item[0])))
     lines += [
         "",
         f"Decode mix of the shipped default ({results['mix_prompts']} held-out prompts, {results['max_new_tokens']} "
-        f"new tokens, prefill left out): {sum(mix.values())} forwards; width: count "
-        + ", ".join(f"{w}: {n}" for w, n in sorted(mix.items(), key=lambda item: int(item[0])))
-        + ".",
+        f"new tokens, {results.get('mix_dtype', 'float32')}, prefill left out): {sum(mix.values())} forwards; "
+        f"width: count {counts}.",
         "",
         "| dtype | AR forward (1 query) ms | mean ReFusion forward ms | price ratio (= tokens/forward to tie) |",
         "| --- | ---: | ---: | ---: |",
@@ -216,15 +219,16 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd forwards (dynamic shapes)")
-    parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
+    parser.add_argument("--dtype", default=None, help="of the decode mix; default: bfloat16 where native, else float32")
+    parser.add_argument("--output_dir", required=True, help="where forward_cost.json, .md and .png go (overwritten)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device, mix_dtype = torch.device(args.device), decoding_dtype(args.dtype, args.device)
 
     base, tokenizer = load_base()
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
     model, base = model.to(device), base.to(device)
     prompt_ids = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
-    mix = decode_mix(model, refusion_tokenizer, prompt_ids, args.max_new_tokens)
+    mix = decode_mix(copy.deepcopy(model).to(mix_dtype), refusion_tokenizer, prompt_ids, args.max_new_tokens)
     bandwidth = read_bandwidth(device)
     results = {
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
@@ -236,6 +240,7 @@ def main() -> None:
         "bandwidth_gb_s": bandwidth / 1e9,
         "mix_prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
+        "mix_dtype": str(mix_dtype).removeprefix("torch."),
         "mix": {str(width): count for width, count in sorted(mix.items())},
         "compile": args.compile,
         "dtypes": {},
@@ -268,13 +273,9 @@ def main() -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(entry)}", flush=True)
         del refusion, ar
 
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "forward_cost.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    (output_dir / "forward_cost.md").write_text(markdown(results), encoding="utf-8")
-    plot(results, output_dir / "forward_cost.png")
-    print(markdown(results))
-    print(f"written: {output_dir}/forward_cost.json, forward_cost.md, forward_cost.png")
+    table = markdown(results)
+    print(table)
+    write_results(args.output_dir, "forward_cost", table, results, lambda path: plot(results, path))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """Quality against speed: the recipe's ReFusion SmolLM2 vs the base model's autoregressive generate(), side by side.
 
-    python -m benchmarks.quality_speed [--prompts 32] [--max_new_tokens 64] [--adapter recipe/artifacts/smollm2/adapter]
-        [--checkpoints outputs/recipe-smollm2/stage-2/refusion/checkpoint-62 ...] [--device cpu] [--dtype float32]
-        [--ar_dtypes float32 bfloat16]
-        [--output_dir benchmarks/results/smollm2-cpu]
+    python -m benchmarks.quality_speed --output_dir DIR [--prompts 32] [--max_new_tokens 64]
+        [--adapter recipe/artifacts/smollm2/adapter] [--settings NAME ...]
+        [--checkpoints outputs/recipe-smollm2/stage-2/refusion/checkpoint-62 ...]
+        [--device cpu] [--dtype float32] [--ar_dtypes float32 bfloat16]
 
 Same held-out prompts (never trained on), same weights, one run. Decoders: the base model's greedy generate()
 (the AR teacher, also timed in each of `--ar_dtypes`: the fastest AR decoding is the 1.0x of every batch-1
 speed-up), the converted model decoded token by token with transformers' generate() (what the adapter costs, apart
-from the decoding order), ReFusion over a grid around the shipped decoding setting (infill mode fast / reference /
-fast with the fused MDM redraft; draft windows of 2 and 4; slot sizes 4-32; block lengths 16-64; slot thresholds
-0.3-0.8; token thresholds 0.1-0.9), and the token-level ablation (slot size 1). Every decoder is scored by
+from the decoding order), ReFusion over a grid of whole decoding settings (`GRID`: the shipped one, and the fast
+rule with whole-slot checks at slot 16, block 32, thresholds 0.8 / 0.3 changed as each name says: infill mode
+reference, the fused MDM redraft, draft windows of 2 and 4, slot sizes 4-32, block lengths 16-64, slot thresholds
+0.3-0.8, token thresholds 0.1-0.9, the authors' setting), and the token-level ablation (slot size 1). ReFusion
+decodes in `--dtype` (default: the dtype policy, `recipe.model.decoding_dtype`). Every decoder is scored by
 `recipe.evaluate.Evaluation`: tokens/s and speed-up over AR at batch 1 (and at batch 8 for AR and the chosen
 setting), forwards, tokens per forward by our definition (committed / forwards) and by the authors' (mean per-step
 ratio), the share of time outside model forwards, generative perplexity under the base model, agreement with the
@@ -18,48 +20,51 @@ teacher's answer (exact match, word F1), and accuracy on the verifiable prompts 
 The chosen setting is the fastest one within 5% of AR on word F1 (against the converted model's own AR decoding)
 and generative perplexity, else the best word F1 at >= 1 token per forward. With
 `--checkpoints`, the chosen setting is also measured after each saved fraction of the training. Writes
-`results.json`, `results.md` and `quality_vs_speed.png` into `--output_dir`.
+`results.json` (with every row's whole setting), `results.md` and `quality_vs_speed.png` into `--output_dir`, which
+has no default: a run in another dtype or with other settings names its own folder rather than overwriting the
+committed results (`benchmarks/results/smollm2-cpu`).
 """
 
 import argparse
 import copy
-import json
 import re
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.settings import WHOLE_SLOTS, generation_config, setting, shipped
+from generation_refusion import DECODING_FIELDS
 from recipe.decoding import DecodeRun, decode
 from recipe.evaluate import Evaluation
-from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, shipped_decoding, with_adapter
+from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
+from recipe.report import cell, write_results
 
-CENTRE = shipped_decoding()  # the shipped model's generation defaults (recipe/smollm2.yaml, `decoding`)
-VARIATIONS = {  # name -> changes from CENTRE; one knob at a time, plus the authors' own default
-    "shipped default": {},
-    "reference": dict(infill_mode="reference", draft_window=None),
-    "fused redraft": dict(fused_redraft=True),
-    "slot 4": dict(slot_size=4),
-    "slot 8": dict(slot_size=8),
-    "slot 32": dict(slot_size=32),
-    "block 16": dict(block_length=16),
-    "block 64": dict(block_length=64),
-    "slot thr 0.5": dict(slot_threshold=0.5),
-    "slot thr 0.3": dict(slot_threshold=0.3),
-    "token thr 0.1": dict(token_threshold=0.1),
-    "token thr 0.9": dict(token_threshold=0.9),
-    "slot thr 0.5, token thr 0.1": dict(slot_threshold=0.5, token_threshold=0.1),
-    "slot 8 + fused redraft": dict(slot_size=8, fused_redraft=True),
-    "draft window 2": dict(draft_window=2),
-    "draft window 4": dict(draft_window=4),
-    "block 16, draft window 2": dict(block_length=16, draft_window=2),
-    "fused redraft, draft window 4": dict(fused_redraft=True, draft_window=4),
-    "reference, slot 4, block 16, 0.6/0.3 (authors')": dict(
-        infill_mode="reference", slot_size=4, block_length=16, slot_threshold=0.6, draft_window=None
+GRID = {  # name -> a whole decoding setting: the whole-slot fast rule changed as the name says, and what ships
+    "shipped default": shipped(),  # the recipe config's `decoding` section (recipe/smollm2.yaml), as it is now
+    "whole slots": WHOLE_SLOTS,
+    "reference": setting(WHOLE_SLOTS, infill_mode="reference"),
+    "fused redraft": setting(WHOLE_SLOTS, fused_redraft=True),
+    "slot 4": setting(WHOLE_SLOTS, slot_size=4),
+    "slot 8": setting(WHOLE_SLOTS, slot_size=8),
+    "slot 32": setting(WHOLE_SLOTS, slot_size=32),
+    "block 16": setting(WHOLE_SLOTS, block_length=16),
+    "block 64": setting(WHOLE_SLOTS, block_length=64),
+    "slot thr 0.5": setting(WHOLE_SLOTS, slot_threshold=0.5),
+    "slot thr 0.3": setting(WHOLE_SLOTS, slot_threshold=0.3),
+    "token thr 0.1": setting(WHOLE_SLOTS, token_threshold=0.1),
+    "token thr 0.9": setting(WHOLE_SLOTS, token_threshold=0.9),
+    "slot thr 0.5, token thr 0.1": setting(WHOLE_SLOTS, slot_threshold=0.5, token_threshold=0.1),
+    "slot 8 + fused redraft": setting(WHOLE_SLOTS, slot_size=8, fused_redraft=True),
+    "draft window 2": setting(WHOLE_SLOTS, draft_window=2),
+    "draft window 4": setting(WHOLE_SLOTS, draft_window=4),
+    "block 16, draft window 2": setting(WHOLE_SLOTS, block_length=16, draft_window=2),
+    "fused redraft, draft window 4": setting(WHOLE_SLOTS, fused_redraft=True, draft_window=4),
+    "reference, slot 4, block 16, 0.6/0.3 (authors')": setting(
+        WHOLE_SLOTS, infill_mode="reference", slot_size=4, block_length=16, slot_threshold=0.6
     ),
-    "slot 1 (tokens), 0.5": dict(slot_size=1, slot_threshold=0.5),
+    "slot 1 (tokens), 0.5": setting(WHOLE_SLOTS, slot_size=1, slot_threshold=0.5),
 }
-GRID = {name: {**CENTRE, **change} for name, change in VARIATIONS.items()}
 AR = "AR: base generate()"
 CONVERTED_AR = "AR: converted model, token by token"
 
@@ -102,8 +107,8 @@ def markdown(results: dict) -> str:
         f"Times: the fastest of {results.get('repeats', 1)} run(s) of each decoder. Speed-ups at batch 1 are against "
         f"the fastest AR decoding: {results.get('fastest_ar', AR)}.",
         "",
-        f"Centre setting: {CENTRE}; each ReFusion row changes what its name says. Chosen: **{results['chosen']}** "
-        f"({results['chosen_reason']}).",
+        f"Chosen: **{results['chosen']}** ({results['chosen_reason']}).",
+        *settings_table(results.get("settings", {})),
         "",
         "| decoder | batch | tokens/s | speed-up vs AR (same batch) | forwards | tokens/forward | authors' TPF "
         "| accepted drafts / verify | outside forwards | gen. PPL (AR-scored) | exact match vs AR | word F1 vs AR "
@@ -111,15 +116,13 @@ def markdown(results: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in results["rows"]:
-        accuracy = row["accuracy_where_ar_correct"]
-        per_forward = f"{row['tokens_per_forward']:.2f}" if row["batch_size"] == 1 else "-"  # batch: rows differ
-        steps = row.get("step_tokens_per_forward")
+        per_forward = cell(row["tokens_per_forward"] if row["batch_size"] == 1 else None)  # batch: rows differ
         lines.append(
             f"| {row['name']} | {row['batch_size']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x "
-            f"| {row['forwards']} | {per_forward} | {'-' if steps is None else f'{steps:.2f}'} "
+            f"| {row['forwards']} | {per_forward} | {cell(row.get('step_tokens_per_forward'))} "
             f"| {cell(row['accepted_run_per_verify'])} | {row['orchestration']:.0%} "
             f"| {row['generative_perplexity']:.2f} "
-            f"| {row['exact_match']:.2f} | {row['token_f1']:.2f} | {'-' if accuracy is None else f'{accuracy:.2f}'} "
+            f"| {row['exact_match']:.2f} | {row['token_f1']:.2f} | {cell(row['accuracy_where_ar_correct'])} "
             f"| {row['repetition']:.2f} |"
         )
     lines += acceptance_table(results["rows"])
@@ -133,17 +136,29 @@ def markdown(results: dict) -> str:
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in results["progress"]:
-            accuracy = row["accuracy_where_ar_correct"]
             lines.append(
                 f"| {row['name']} | {row['step']} | {row['tokens_per_forward']:.2f} | {row['speedup']:.2f}x "
                 f"| {row['generative_perplexity']:.2f} | {row['token_f1']:.2f} "
-                f"| {'-' if accuracy is None else f'{accuracy:.2f}'} |"
+                f"| {cell(row['accuracy_where_ar_correct'])} |"
             )
     return "\n".join(lines) + "\n"
 
 
-def cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def settings_table(settings: dict[str, dict]) -> list[str]:
+    """Markdown lines: the whole decoding setting of every ReFusion row measured (none for an older run, which
+    did not record them)."""
+    if not settings:
+        return []
+    lines = [
+        "",
+        "Decoding settings of the ReFusion rows:",
+        "",
+        "| setting | " + " | ".join(DECODING_FIELDS) + " |",
+        "| --- |" + " --- |" * len(DECODING_FIELDS),
+    ]
+    for name, decoding in settings.items():
+        lines.append(f"| {name} | " + " | ".join(str(decoding[field]) for field in DECODING_FIELDS) + " |")
+    return lines
 
 
 def acceptance_table(rows: list[dict], offsets: int = 7) -> list[str]:
@@ -220,7 +235,9 @@ def main() -> None:
     parser.add_argument(
         "--ar_dtypes", nargs="*", default=["float32", "bfloat16"], help="AR is also timed in these; the fastest is 1.0x"
     )
-    parser.add_argument("--output_dir", default="benchmarks/results/smollm2-cpu")
+    parser.add_argument(
+        "--output_dir", required=True, help="where results.json, results.md and quality_vs_speed.png go (overwritten)"
+    )
     args = parser.parse_args()
     unknown = set(args.settings) - set(GRID)
     if unknown:
@@ -233,6 +250,7 @@ def main() -> None:
     base, model = base.to(args.device, dtype), model.to(args.device, dtype)
     evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
     decode(model, refusion_tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
+    configs = {name: generation_config(model, GRID[name]) for name in GRID}  # each setting whole, as named
 
     def scored(name: str, kind: str, run: DecodeRun, batch_size: int = 1) -> dict:
         row = evaluation.row(name, kind, run, batch_size)
@@ -257,18 +275,19 @@ def main() -> None:
     rows.append(converted_row := scored(CONVERTED_AR, "ar", converted))
     for name in args.settings:
         kind = "tokens" if GRID[name]["slot_size"] == 1 else "slots"
-        rows.append(scored(name, kind, evaluation.timed(model, refusion_tokenizer, **GRID[name])))
+        rows.append(scored(name, kind, evaluation.timed(model, refusion_tokenizer, generation_config=configs[name])))
     fastest_ar = against_fastest_ar(rows)
     chosen, reason = choose_setting(rows, converted_row)
     if args.batch8:
         rows.append(evaluation.ar_row_at(8))
-        run = evaluation.timed(model, refusion_tokenizer, batch_size=8, **GRID[chosen])
+        run = evaluation.timed(model, refusion_tokenizer, batch_size=8, generation_config=configs[chosen])
         rows.append(scored(chosen, "slots", run, 8))
 
     progress = []
     for checkpoint in args.checkpoints:
         step = int(re.search(r"(\d+)$", Path(checkpoint).name.rstrip("/")).group(1))
-        row = evaluation.adapter_rows(Path(checkpoint).name, checkpoint, converted_ar=False, **GRID[chosen])
+        name = Path(checkpoint).name  # the checkpoint's model is converted as `model` was: its config fits
+        row = evaluation.adapter_rows(name, checkpoint, converted_ar=False, generation_config=configs[chosen])
         progress.append({**row["refusion"], "step": step})
 
     prompts = evaluation.prompts
@@ -286,17 +305,15 @@ def main() -> None:
         "chosen": chosen,
         "chosen_reason": reason,
         "chosen_settings": GRID[chosen],
+        "settings": {name: GRID[name] for name in args.settings},
         "rows": rows,
         "progress": progress,
         "outputs": {"prompts": [p.text for p in prompts], **outputs},
     }
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    (output_dir / "results.md").write_text(markdown(results), encoding="utf-8")
-    plot(results, output_dir / "quality_vs_speed.png")
-    print(markdown(results))
-    print(f"written: {output_dir}/results.json, results.md, quality_vs_speed.png")
+    table = markdown(results)
+    print(table)
+    plotted = dict(plot=lambda path: plot(results, path), plot_stem="quality_vs_speed")
+    write_results(args.output_dir, "results", table, results, **plotted)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Serving benchmark: vLLM against transformers and our ReFusion decoder at 1, 8 and 32 concurrent requests.
 
-    python -m benchmarks.serving [--prompts 32] [--max_new_tokens 64] [--concurrency 1 8 32] [--drafts 4]
-        [--output_dir benchmarks/results/smollm2-cpu]
+    python -m benchmarks.serving --output_dir DIR [--prompts 32] [--max_new_tokens 64] [--concurrency 1 8 32]
+        [--drafts 4] [--dtype float32]
 
 One run, the shipped model's native export (`scripts/serve.sh` builds vLLM's environment and the export), the same
 held-out chat prompts (never trained on) and greedy decoding everywhere:
@@ -12,13 +12,14 @@ held-out chat prompts (never trained on) and greedy decoding everywhere:
   left-padded batches of `concurrency` (a batch is what these decoders serve at once).
 Tokens/s count every answer token over the wall time of all prompts. Per request: latency (request to last token),
 time to first token and time per output token after the first (vLLM, from the stream; for a static batch every
-request of a batch gets its answer at the end, so its latency is the batch's time). Writes `serving.json` and
-`serving.md` (and `serving.png` with matplotlib) into `--output_dir`.
+request of a batch gets its answer at the end, so its latency is the batch's time). Every decoder runs in `--dtype`
+(default: the dtype policy, `recipe.model.decoding_dtype`). Writes `serving.json`, `serving.md` and `serving.png`
+into `--output_dir`, which has no default: a run elsewhere names its own folder rather than overwriting the
+committed results (`benchmarks/results/smollm2-cpu`).
 """
 
 import argparse
 import concurrent.futures
-import json
 import os
 import platform
 import statistics
@@ -26,15 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipe.decoding import decode
+from recipe.model import decoding_dtype
 from recipe.prompts import build_prompts, interleave_kinds, split_prompts
+from recipe.report import cell, write_results
 from serving.client import SHIPPED_NATIVE, Server
 from serving.export import load_refusion
-
-RESULTS = Path(__file__).resolve().parent / "results" / "smollm2-cpu"
 
 
 def held_out_prompts(count: int) -> list[str]:
@@ -129,10 +129,6 @@ def static_batch_rows(model, tokenizer, prompts: list[str], max_tokens: int, con
     return rows
 
 
-def cell(row: dict, key: str, spec: str) -> str:
-    return "-" if row.get(key) is None else format(row[key], spec)
-
-
 def markdown(results: dict) -> str:
     lines = [
         f"{results['setup']}",
@@ -152,8 +148,8 @@ def markdown(results: dict) -> str:
             )
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / fastest:.2f}x "
-                f"| {row['latency_s']:.2f} | {cell(row, 'ttft_s', '.2f')} | {cell(row, 'tpot_ms', '.1f')} "
-                f"| {cell(row, 'acceptance_rate', '.2f')} | {cell(row, 'mean_accepted_length', '.2f')} |"
+                f"| {row['latency_s']:.2f} | {cell(row.get('ttft_s'))} | {cell(row.get('tpot_ms'), '.1f')} "
+                f"| {cell(row.get('acceptance_rate'))} | {cell(row.get('mean_accepted_length'))} |"
             )
     for name, equal in results["answers_equal_to_vllm_ar"].items():
         lines.append(f"\n{name}: answers equal to vLLM AR's at concurrency 1: {equal}.")
@@ -161,13 +157,11 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axis = plt.subplots(figsize=(6.5, 4))
     for name, rows in results["decoders"].items():
         axis.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=name)
@@ -188,20 +182,22 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--drafts", type=int, default=4, help="ReFusion drafts per vLLM step (0: skip that row).")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="vLLM's dtype.")
-    parser.add_argument("--output_dir", default=str(RESULTS))
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 where native, else float32"
+    )
+    parser.add_argument("--output_dir", required=True, help="where serving.json, .md and .png go (overwritten)")
     args = parser.parse_args()
+    dtype = decoding_dtype(args.dtype)  # vLLM on the CPU, as the transformers-side decoders here
+    in_dtype = str(dtype).removeprefix("torch.")
     prompts = held_out_prompts(args.prompts)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="serving-benchmark-"))  # the servers' logs, named if one fails
 
     decoders = {}
-    vllm_args = ["--dtype", args.dtype, "--max-model-len", "2048"]
+    vllm_args = ["--dtype", in_dtype, "--max-model-len", "2048"]
     with Server(vllm_args=vllm_args, log_path=logs / "vllm-ar.log") as server:
-        decoders[f"vLLM AR ({args.dtype})"] = vllm_rows(server, prompts, args.max_new_tokens, args.concurrency)
+        decoders[f"vLLM AR ({in_dtype})"] = vllm_rows(server, prompts, args.max_new_tokens, args.concurrency)
     if args.drafts:
-        name = f"vLLM + ReFusion drafts, K={args.drafts} ({args.dtype})"
+        name = f"vLLM + ReFusion drafts, K={args.drafts} ({in_dtype})"
         try:
             with Server(drafts=args.drafts, vllm_args=vllm_args, log_path=logs / "vllm-drafts.log") as server:
                 decoders[name] = vllm_rows(server, prompts, args.max_new_tokens, args.concurrency)
@@ -209,18 +205,18 @@ def main() -> None:
             print(f"{name}: the server did not start: {error}")
 
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_NATIVE)
-    native = AutoModelForCausalLM.from_pretrained(SHIPPED_NATIVE, dtype=torch.float32).eval()
-    decoders["transformers generate() AR (float32)"] = static_batch_rows(
+    native = AutoModelForCausalLM.from_pretrained(SHIPPED_NATIVE, dtype=dtype).eval()
+    decoders[f"transformers generate() AR ({in_dtype})"] = static_batch_rows(
         native, tokenizer, prompts, args.max_new_tokens, args.concurrency, autoregressive=True
     )
     del native
     refusion, _ = load_refusion()  # the same weights in our class: this package's decoder as it is now
-    decoders["ReFusion decoder, shipped default (float32)"] = static_batch_rows(
-        refusion, tokenizer, prompts, args.max_new_tokens, args.concurrency
+    decoders[f"ReFusion decoder, shipped default ({in_dtype})"] = static_batch_rows(
+        refusion.to(dtype), tokenizer, prompts, args.max_new_tokens, args.concurrency
     )
 
     lossless = {  # speculative decoding must not change a greedy answer
-        name: sum(a == b for a, b in zip(rows[0]["answers"], decoders[f"vLLM AR ({args.dtype})"][0]["answers"]))
+        name: sum(a == b for a, b in zip(rows[0]["answers"], decoders[f"vLLM AR ({in_dtype})"][0]["answers"]))
         for name, rows in decoders.items()
         if "drafts" in name
     }
@@ -228,17 +224,15 @@ def main() -> None:
         "answers_equal_to_vllm_ar": {name: f"{equal}/{len(prompts)}" for name, equal in lossless.items()},
         "setup": (
             f"{len(prompts)} held-out prompts x up to {args.max_new_tokens} new tokens, greedy, "
-            f"{platform.machine()} CPU, {os.cpu_count()} cores; vLLM {args.dtype}, the others float32."
+            f"{platform.machine()} CPU, {os.cpu_count()} cores; every decoder in {in_dtype}."
         ),
         "concurrency": args.concurrency,
         "autoregressive": [name for name in decoders if "ReFusion" not in name],
         "decoders": decoders,
     }
-    (output_dir / "serving.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(results)
-    (output_dir / "serving.md").write_text(table)
-    plot(results, output_dir / "serving.png")
     print(table)
+    write_results(args.output_dir, "serving", table, results, lambda path: plot(results, path))
 
 
 if __name__ == "__main__":

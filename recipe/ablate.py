@@ -18,6 +18,7 @@ from pathlib import Path
 
 from recipe.evaluate import Evaluation
 from recipe.model import load_base
+from recipe.report import cell, write_results
 from recipe.run import DATA_FILE, config_model, load_config, read_rows, stage_settings, train_adapter, write_rows
 
 
@@ -61,11 +62,6 @@ def markdown(results: dict) -> str:
             f"| {cell(fused.get('accepted_run_per_verify'))} | {cell(fused.get('token_f1'))} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def cell(value: float | None) -> str:
-    """A table cell: two decimals, or '-' for a figure an older run did not record."""
-    return "-" if value is None else f"{value:.2f}"
 
 
 def final_losses(log_history: list[dict], window: int = 3) -> dict:
@@ -127,8 +123,7 @@ def ablate(config: dict, only: list[str] | None = None, section: str = "ablation
         if settings.get("score_fused"):
             fused = evaluation.adapter_rows(name, trained / "adapter", converted_ar=False, fused_redraft=True)
             results["variants"][name]["fused_row"] = fused["refusion"]
-        results_file.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-        (artifacts / f"{section}.md").write_text(markdown(results), encoding="utf-8")
+        write_results(artifacts, section, markdown(results), results)
         print(f"[ablate] {name}: {row['tokens_per_forward']:.2f} tokens/forward, F1 {row['token_f1']:.2f}", flush=True)
     return results
 

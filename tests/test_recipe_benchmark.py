@@ -8,9 +8,11 @@ import torch
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
+from benchmarks import decode as decode_benchmark
 from benchmarks import quality_speed
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion, save_refusion
+from generation_refusion import DECODING_FIELDS, check_decoding
 from recipe.decoding import DecodeRun, cut_answer, decode, stop_token_ids
 from recipe.evaluate import Evaluation
 from recipe.metrics import (
@@ -180,8 +182,10 @@ def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_
         "chosen_reason": "test",
         "rows": [evaluation.ar_row, row],
         "progress": [{**row, "name": "checkpoint-2", "step": 2}],
+        "settings": {"student": quality_speed.GRID["whole slots"]},
     }
     table = quality_speed.markdown(results)
+    assert "| student | 16 | 0.8 | 0.3 | 32 | fast | False | None |" in table  # its whole setting, field by field
     assert "| student | 1 |" in table and "| checkpoint-2 | 2 |" in table and f"{row['speedup']:.2f}x" in table
     assert "| repeated 4-grams |" in table and f"| {row['repetition']:.2f} |" in table
     quality_speed.plot(results, tmp_path / "plot.png")
@@ -221,3 +225,16 @@ def test_the_chosen_setting_is_the_fastest_close_to_ar_else_the_best_at_one_toke
     assert quality_speed.choose_setting(rows, reference)[0] == "fast close"
     rows = [row("best below one", 0.5, 0.7, 3, 0.9), row("good", 0.6, 0.6, 3, 1.1), row("worse", 2, 0.3, 8, 3)]
     assert quality_speed.choose_setting(rows, reference)[0] == "good"
+
+
+GRIDS = {"quality_speed": quality_speed.GRID, "decode": decode_benchmark.SETTINGS}
+
+
+@pytest.mark.parametrize(("grid", "name"), [(grid, name) for grid, rows in GRIDS.items() for name in rows])
+def test_every_benchmark_row_is_a_whole_valid_decoding_setting(grid, name):
+    """A row states every decoding setting, so it means the same thing whatever the shipped defaults are, and the
+    decoder accepts it (with the shipped fused redraft and draft window, the rows that change one thing of the
+    shipped setting stopped the default grid at "reference")."""
+    decoding = GRIDS[grid][name]
+    assert sorted(decoding) == sorted(DECODING_FIELDS)
+    assert check_decoding(decoding) == decoding  # valid, and nothing left to a default
