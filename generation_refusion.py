@@ -35,7 +35,8 @@ token: `model.generate(input_ids, custom_generate="<folder or Hub repo>", trust_
 
 import copy
 import shutil
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, make_dataclass
 from pathlib import Path
 
 import torch
@@ -44,24 +45,11 @@ from transformers import DynamicCache, GenerationConfig, MaxTimeCriteria, Stoppi
 from transformers.generation import logits_process as lp
 from transformers.utils import ModelOutput
 
-# Decoding parameters and their defaults. `finetune.convert` writes them into a converted model's generation config,
-# which is where `generate()` reads them from (and where a call's keyword arguments override them).
-DECODING_DEFAULTS = {
-    "slot_size": 8,
-    "slot_threshold": 0.8,
-    "token_threshold": 0.3,
-    "block_length": 32,
-    "infill_mode": "fast",
-    "fused_redraft": False,
-    "draft_window": None,
-}
-DECODING_FIELDS = tuple(DECODING_DEFAULTS)
 # Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and whose mask
 # builder passes a prepared 4D mask through untouched; attention implementations that keep storage order with
 # out-of-order position ids (flash-attention reads a position jump as a new packed sequence).
 SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-INFILL_MODES = ("fast", "reference")
 NEVER = 2**62  # storage rank of cache holes and padding: no token's prefix reaches it
 NO_GROUP = -3  # the parent group of tokens that draft for no slot
 
@@ -127,72 +115,226 @@ class RefusionGenerateOutput(ModelOutput):
     verify_forwards: int | None = None
 
 
-# ---- settings: one place that reads and validates them -------------------------------------------------------------
+# ---- decoding settings: one table --------------------------------------------------------------------------------
+INFILL_MODES = ("fast", "reference")
+_NO_OFF = object()  # the off value of a setting that cannot be turned off
+
+
 @dataclass(frozen=True)
-class DecodingSettings:
-    """Everything `generate` decides before decoding, validated."""
+class DecodingSetting:
+    """One decoding parameter: its default, the values it takes, the infill rules it applies to, and what it does.
 
-    slot_size: int
-    slot_threshold: float
-    token_threshold: float
-    block_length: int
-    infill_mode: str
-    fused_redraft: bool
-    draft_window: int | None
-    max_new_tokens: int
-    mask_token_id: int
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    do_sample: bool
-    use_cache: bool
+    `DECODING_SETTINGS` is the only place a parameter is written down: the settings record, the validation, the
+    `generate()` docstrings, `finetune.convert`'s flags, the model card and the README's table come from it."""
+
+    name: str
+    default: object
+    kind: type  # int, float, str or bool
+    doc: str
+    low: float | None = None  # inclusive bounds of a number
+    high: float | None = None
+    choices: tuple = ()
+    optional: bool = False  # None is a value of its own, meaning "off"
+    rules: tuple[str, ...] = INFILL_MODES  # the infill modes it applies to
+
+    @property
+    def off(self):
+        """The value that leaves the option out: what an explicit None means, and what the option becomes under a
+        rule it does not apply to. Settings that every rule reads have none."""
+        return None if self.optional else False if self.kind is bool else _NO_OFF
+
+    def values(self) -> str:
+        """The values it takes, in words."""
+        if self.choices:
+            return " or ".join(repr(choice) for choice in self.choices)
+        if self.kind is bool:
+            return "True or False"
+        number = "an integer" if self.kind is int else "a number"
+        if self.low is not None and self.high is not None:
+            number = f"{number} in [{self.low:g}, {self.high:g}]"
+        elif self.low is not None:
+            number = f"{number} >= {self.low:g}"
+        return f"None or {number}" if self.optional else number
+
+    def check(self, value) -> None:
+        """Raise a `ValueError` naming the setting unless `value` is one of its values."""
+        if value is None and self.optional:
+            return
+        if self.choices:
+            valid = value in self.choices
+        elif self.kind is bool:
+            valid = isinstance(value, bool)
+        else:
+            kinds = (int,) if self.kind is int else (int, float)
+            valid = isinstance(value, kinds) and not isinstance(value, bool)
+            valid = valid and (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+        if not valid:
+            raise ValueError(f"{self.name} must be {self.values()}, got {value!r}.")
+
+    def parse(self, text: str):
+        """The value a command-line word stands for (`none` for None, `true`/`false` for booleans), checked."""
+        word = text.strip().lower()
+        if word == "none" and (self.optional or self.kind is bool):
+            value = self.off
+        elif self.kind is bool and word in ("true", "false", "1", "0", "yes", "no"):
+            value = word in ("true", "1", "yes")
+        elif self.kind in (int, float):
+            try:
+                value = self.kind(text)
+            except ValueError:
+                raise ValueError(f"{self.name} must be {self.values()}, got {text!r}.") from None
+        else:
+            value = text
+        self.check(value)
+        return value
+
+    def applies_to(self) -> str:
+        """The infill rules it applies to, in words."""
+        if self.rules == INFILL_MODES:
+            return "every rule"
+        return " or ".join(f"`infill_mode={rule!r}`" for rule in self.rules)
 
 
-def check_decoding(given: dict, adapt_block_length: bool = False) -> dict:
-    """The decoding parameters in `given`, missing (None) ones from `DECODING_DEFAULTS`, validated. With
-    `adapt_block_length`, a block length that is not a multiple of the slot size is rounded up to one."""
-    decoding = {name: DECODING_DEFAULTS[name] if given.get(name) is None else given[name] for name in DECODING_FIELDS}
+DECODING_SETTINGS = (
+    DecodingSetting("slot_size", 8, int, "Tokens per slot: the unit that is planned, checked and committed.", low=1),
+    DecodingSetting(
+        "slot_threshold", 0.8, float, "A slot is chosen when its first draft's probability is above this; if none "
+        "is, the most confident slot.", low=0, high=1,
+    ),
+    DecodingSetting(
+        "token_threshold", 0.3, float, "A draft token is accepted when its autoregressive probability is above "
+        "this (0 accepts every draft).", low=0, high=1,
+    ),
+    DecodingSetting(
+        "block_length", 32, int, "Tokens per serial block: a block is finished before the next starts. A multiple "
+        "of `slot_size` (a configured one is rounded up to it).", low=1,
+    ),
+    DecodingSetting(
+        "infill_mode", "fast", str, "`fast`: every check also corrects and redrafts, one forward a round; "
+        "`reference`: the authors' released rule, token for token.", choices=INFILL_MODES,
+    ),
+    DecodingSetting(
+        "fused_redraft", False, bool, "Redraft a slot's open positions with `[MASK]` queries inside the forward "
+        "that checks its drafts.", rules=("fast",),
+    ),
+    DecodingSetting(
+        "draft_window", None, int, "At most this many drafts of a slot go into one forward; None checks whole "
+        "slots.", low=1, optional=True, rules=("fast",),
+    ),
+)  # fmt: skip
+SETTING = {setting.name: setting for setting in DECODING_SETTINGS}
+DECODING_FIELDS = tuple(SETTING)
+DECODING_DEFAULTS = {setting.name: setting.default for setting in DECODING_SETTINGS}
+
+
+def check_decoding(passed: dict, configured: dict | None = None) -> dict:
+    """The decoding settings of one call, validated, from the options the caller `passed` and the `configured` ones
+    (a generation config's; each missing or None one takes the table's default), as transformers treats options:
+
+    - a passed option wins over the configured one; a passed None means the option's off value (`draft_window=None`:
+      whole-slot checks), or for an option that has none (a threshold, a size, the rule), "not passed";
+    - an option that does not apply to the infill rule in force is set aside to its off value when the caller did
+      not pass it, and refused, naming both, when the caller did;
+    - a configured block length is rounded up to a multiple of the slot size unless `block_length` was passed.
+    """
+    configured = configured or {}
+    passed = {name: value for name, value in passed.items() if value is not None or SETTING[name].off is not _NO_OFF}
+    decoding, given = {}, set()
+    for setting in DECODING_SETTINGS:
+        if setting.name in passed:
+            value = passed[setting.name]
+            decoding[setting.name] = setting.off if value is None else value
+            given.add(setting.name)
+        else:
+            value = configured.get(setting.name)
+            decoding[setting.name] = setting.default if value is None else value
+        setting.check(decoding[setting.name])
+    rule = decoding["infill_mode"]
+    for setting in DECODING_SETTINGS:
+        if rule in setting.rules or decoding[setting.name] == setting.off:
+            continue
+        if setting.name not in given:
+            decoding[setting.name] = setting.off
+        elif "infill_mode" in given:
+            raise ValueError(
+                f"{setting.name}={decoding[setting.name]!r} and infill_mode={rule!r} were both passed, but "
+                f"{setting.name} applies to {setting.applies_to()} only: drop one of them."
+            )
+        else:
+            raise ValueError(
+                f"{setting.name}={decoding[setting.name]!r} applies to {setting.applies_to()}, but the generation "
+                f"config sets infill_mode={rule!r}: pass infill_mode={setting.rules[0]!r} as well."
+            )
     slot_size, block_length = decoding["slot_size"], decoding["block_length"]
-    if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size < 1:
-        raise ValueError(f"slot_size must be an integer >= 1, got {slot_size!r}.")
-    if adapt_block_length and isinstance(block_length, int) and block_length % slot_size:
+    if "block_length" not in given and block_length % slot_size:
         decoding["block_length"] = block_length = -(-block_length // slot_size) * slot_size
-    if not isinstance(block_length, int) or block_length < 1 or block_length % slot_size:
-        raise ValueError(f"block_length ({block_length}) must be a positive multiple of slot_size ({slot_size}).")
-    for name in ("slot_threshold", "token_threshold"):
-        if not 0.0 <= decoding[name] <= 1.0:
-            raise ValueError(f"{name} must lie in [0, 1], got {decoding[name]}.")
-    if decoding["infill_mode"] not in INFILL_MODES:
-        raise ValueError(f"infill_mode must be one of {INFILL_MODES}, got {decoding['infill_mode']!r}.")
-    if not isinstance(decoding["fused_redraft"], bool):
-        raise ValueError(f"fused_redraft must be True or False, got {decoding['fused_redraft']!r}.")
-    if decoding["fused_redraft"] and decoding["infill_mode"] == "reference":
-        raise ValueError("fused_redraft applies to infill_mode='fast'; the reference rule redrafts in its own forward.")
-    window = decoding["draft_window"]
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"draft_window must be None or an integer >= 1, got {window!r}.")
-    if window is not None and decoding["infill_mode"] == "reference":
-        raise ValueError("draft_window applies to infill_mode='fast'; the reference rule checks whole slots.")
+    if block_length % slot_size:
+        raise ValueError(f"block_length ({block_length}) must be a multiple of slot_size ({slot_size}).")
     return decoding
+
+
+def settings_table() -> str:
+    """The decoding parameters as a Markdown table (the README's and the model card's)."""
+    lines = ["| parameter | default | values | applies to | what it does |", "| --- | --- | --- | --- | --- |"]
+    for setting in DECODING_SETTINGS:
+        cells = (f"`{setting.name}`", f"`{setting.default!r}`", setting.values(), setting.applies_to(), setting.doc)
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def settings_docstring(indent: str = "    ") -> str:
+    """The decoding parameters as docstring lines, 120 columns wide: `name` (values; default; rules): what it does."""
+    items = (
+        f"- `{setting.name}` ({setting.values()}; default {setting.default!r}; {setting.applies_to()}): {setting.doc}"
+        for setting in DECODING_SETTINGS
+    )
+    return "\n".join(textwrap.fill(item, 120, initial_indent=indent, subsequent_indent=indent + "  ") for item in items)
+
+
+def documents_settings(function):
+    """List the decoding parameters in `function`'s docstring, on the line that holds a `{settings}` field."""
+    line = next(line for line in function.__doc__.splitlines() if "{settings}" in line)
+    indent = line[: len(line) - len(line.lstrip())]
+    function.__doc__ = function.__doc__.replace(line, settings_docstring(indent))
+    return function
+
+
+# The settings of one `generate()` call: the decoding parameters of the table, then those read from the generation
+# config and the model.
+DecodingSettings = make_dataclass(
+    "DecodingSettings",
+    [(setting.name, setting.kind if not setting.optional else setting.kind | None) for setting in DECODING_SETTINGS]
+    + [
+        ("max_new_tokens", int),
+        ("mask_token_id", int),
+        ("eos_token_ids", tuple[int, ...]),
+        ("pad_token_id", int),
+        ("do_sample", bool),
+        ("use_cache", bool),
+    ],
+    frozen=True,
+)
+DecodingSettings.__doc__ = "Everything `generate` decides before decoding, validated."
 
 
 def resolve_settings(
     model, generation_config: GenerationConfig | None, prompt_length: int, kwargs: dict
 ) -> tuple[DecodingSettings, GenerationConfig]:
-    """Merge `generation_config` (the model's by default) and `kwargs` (which win) into validated decoding settings;
-    also return the merged generation config. Raises `ValueError` naming any option that cannot apply."""
+    """Merge `generation_config` (the model's by default) and `kwargs` (which win, as `check_decoding` says) into
+    validated decoding settings; also return the merged generation config. Raises `ValueError` naming any option that
+    cannot apply."""
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    kwargs = {name: value for name, value in kwargs.items() if not (name in DECODING_FIELDS and value is None)}
-    unused = config.update(**kwargs)
+    passed = {name: value for name, value in kwargs.items() if name in SETTING}
+    configured = {name: getattr(config, name, None) for name in DECODING_FIELDS}
+    unused = config.update(**{name: value for name, value in kwargs.items() if name not in SETTING})
     for name, value in unused.items():
-        if name not in DECODING_FIELDS and name != "mask_token_id":
+        if name != "mask_token_id":
             raise ValueError(f"generate() got an argument ReFusion decoding does not use: {name}={value!r}.")
     for name, neutral in REFUSED_OPTIONS.items():
         value = getattr(config, name, None)
         if value not in neutral:
             raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}.")
-
-    given = {name: unused.get(name, getattr(config, name, None)) for name in DECODING_FIELDS}
-    decoding = check_decoding(given, adapt_block_length=kwargs.get("block_length") is None)
+    decoding = check_decoding(passed, configured)
 
     mask_token_id = kwargs.get("mask_token_id", getattr(config, "mask_token_id", None))
     mask_token_id = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
@@ -222,13 +364,7 @@ def resolve_settings(
     if config.top_k is not None and config.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {config.top_k}.")
     settings = DecodingSettings(
-        slot_size=decoding["slot_size"],
-        slot_threshold=float(decoding["slot_threshold"]),
-        token_threshold=float(decoding["token_threshold"]),
-        block_length=decoding["block_length"],
-        infill_mode=decoding["infill_mode"],
-        fused_redraft=decoding["fused_redraft"],
-        draft_window=decoding["draft_window"],
+        **decoding,
         max_new_tokens=int(max_new_tokens),
         mask_token_id=int(mask_token_id),
         eos_token_ids=eos_token_ids,
@@ -1075,13 +1211,18 @@ def check_model(model) -> None:
 
 
 @torch.no_grad()
+@documents_settings
 def generate(*args, **kwargs) -> torch.LongTensor | RefusionGenerateOutput:
     """ReFusion decoding of any supported causal LM that has a mask token (`mask_token_id` in its config or
     generation config): `RefusionForCausalLM.generate`, and transformers' `custom_generate` entry point.
 
     Called as `generate(model, inputs, generation_config, **options)`, or with `model=` as a keyword, which is how
     transformers calls it (for `custom_generate=`, and when a loaded folder's `custom_generate/` becomes the model's
-    `generate`, with the caller's positional arguments after it)."""
+    `generate`, with the caller's positional arguments after it). The decoding parameters (defaults from the
+    generation config, then from this table; see `check_decoding` for how passed and configured ones combine):
+
+    {settings}
+    """
     if "model" in kwargs:
         model = kwargs.pop("model")
     elif args:

@@ -24,11 +24,11 @@ from transformers.utils import ModelOutput
 
 try:
     from .configuration_refusion import RefusionConfig
-    from .generation_refusion import RefusionGenerateOutput, check_model, write_custom_generate
+    from .generation_refusion import RefusionGenerateOutput, check_model, documents_settings, write_custom_generate
     from .generation_refusion import generate as slot_generate
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from configuration_refusion import RefusionConfig
-    from generation_refusion import RefusionGenerateOutput, check_model, write_custom_generate
+    from generation_refusion import RefusionGenerateOutput, check_model, documents_settings, write_custom_generate
     from generation_refusion import generate as slot_generate
 
 IGNORE_INDEX = -100
@@ -222,6 +222,7 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
             write_custom_generate(save_directory)
 
     @torch.no_grad()
+    @documents_settings
     def generate(
         self,
         inputs: torch.LongTensor | None = None,
@@ -234,11 +235,13 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         Takes the usual `generate()` options (`max_new_tokens`/`max_length`, `eos_token_id`, `pad_token_id`,
         `do_sample` and the sampling warpers, `repetition_penalty`, `suppress_tokens`, `min_new_tokens` and the other
         logits processors, `logits_processor`, `stopping_criteria`, `stop_strings`, `streamer`, `use_cache`,
-        `num_return_sequences`, `return_dict_in_generate`) plus the decoding parameters `slot_size`,
-        `slot_threshold`, `token_threshold`, `block_length`, `infill_mode` ("fast" or "reference") and
-        `fused_redraft`; defaults come from `generation_config` (the model's by default). An option slot decoding
-        cannot apply (beam search, assisted decoding, ...) raises a `ValueError` naming it. Returns prompt + answer,
-        with `pad_token_id` after an EOS.
+        `num_return_sequences`, `return_dict_in_generate`) and the decoding parameters below. Defaults come from
+        `generation_config` (the model's by default); an option passed here wins, and a configured option that does
+        not apply to the chosen `infill_mode` is set aside. An option slot decoding cannot apply (beam search,
+        assisted decoding, ...) raises a `ValueError` naming it. Returns prompt + answer, with `pad_token_id` after
+        an EOS.
+
+        {settings}
         """
         return slot_generate(self, inputs, generation_config, attention_mask=attention_mask, **kwargs)
 

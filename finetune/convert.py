@@ -24,8 +24,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from configuration_refusion import RefusionConfig
 from generation_refusion import (
     DECODING_FIELDS,
-    INFILL_MODES,
+    DECODING_SETTINGS,
     SUPPORTED_ATTENTION,
+    DecodingSetting,
     check_decoding,
     write_custom_generate,
 )
@@ -110,11 +111,12 @@ def convert_to_refusion(
     released checkpoint has), else the tokenizer's own, else `<|mask|>`; it is added to the vocabulary only when
     missing (its row: `mask_init`, the mean embedding or a random draw), and an existing row is never changed. The
     converted generation config decodes greedily unless `do_sample=True` is passed, since ReFusion's thresholds are
-    defined on greedy drafts. `kwargs` set decoding defaults written to the generation config (`slot_size`,
-    `slot_threshold`, `token_threshold`, `block_length`, `infill_mode`, `fused_redraft`) and `RefusionConfig`
+    defined on greedy drafts. `kwargs` set decoding defaults written to the generation config (the parameters of
+    `generation_refusion.DECODING_SETTINGS`) and `RefusionConfig`
     fields (`train_slot_sizes`, `mask_eps`, `mdm_loss_weight`). On ordinary left-to-right input the result computes
     the same logits as the base model over the base vocabulary.
     """
+    decoding = check_decoding({name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs})
     if isinstance(model, (str, os.PathLike)):
         model, loaded_tokenizer = load_causal_lm(model, gguf_file=gguf_file)
         tokenizer = tokenizer or loaded_tokenizer
@@ -123,7 +125,6 @@ def convert_to_refusion(
     if isinstance(model, RefusionForCausalLM):
         raise ValueError("The model is already a RefusionForCausalLM.")
 
-    decoding = check_decoding({name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs})
     recorded = getattr(model.config, "mask_token_id", None)
     if recorded is None:
         recorded = getattr(model.generation_config, "mask_token_id", None)
@@ -244,6 +245,19 @@ def save_refusion(
     return output_dir
 
 
+def flag_type(setting: DecodingSetting):
+    """The argparse `type` of a decoding setting's flag: its words (`none`, `true`/`false`), checked by the table."""
+
+    def parse(text: str):
+        try:
+            return setting.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = setting.name
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m finetune.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_name_or_path", required=True, help="Folder or Hub id of a causal LM.")
@@ -252,11 +266,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mask_token", default=None, help=f"Mask token (default: the tokenizer's, else {DEFAULT_MASK_TOKEN})."
     )
-    parser.add_argument("--slot_size", type=int, default=None, help="Default decoding slot size.")
-    parser.add_argument("--block_length", type=int, default=None, help="Default tokens per serial block.")
-    parser.add_argument("--slot_threshold", type=float, default=None, help="Default slot confidence threshold.")
-    parser.add_argument("--token_threshold", type=float, default=None, help="Default token acceptance threshold.")
-    parser.add_argument("--infill_mode", choices=INFILL_MODES, default=None, help="Default infill rule.")
+    for setting in DECODING_SETTINGS:  # the decoding defaults written to the generation config
+        parser.add_argument(
+            f"--{setting.name}", type=flag_type(setting), default=argparse.SUPPRESS, metavar=setting.kind.__name__,
+            help=f"{setting.doc} Takes {setting.values()}; default {setting.default!r}; {setting.applies_to()}.",
+        )  # fmt: skip
     parser.add_argument(
         "--do_sample", action="store_true", help="Sample by default (default: greedy, what the thresholds assume)."
     )
@@ -269,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = {name: getattr(args, name) for name in DECODING_FIELDS if getattr(args, name, None) is not None}
+    overrides = {name: getattr(args, name) for name in DECODING_FIELDS if hasattr(args, name)}
     try:
         model, tokenizer = convert_to_refusion(
             args.model_name_or_path,

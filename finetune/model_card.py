@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from generation_refusion import settings_table
+
 PAPER = "https://arxiv.org/abs/2512.13586"
 CITATION = """@inproceedings{li2026refusion,
   title     = {ReFusion: A Diffusion Large Language Model with Parallel Autoregressive Decoding},
@@ -98,9 +100,10 @@ output = model.generate(**inputs, max_new_tokens=128)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```
 
-`generate` runs ReFusion's plan-and-infill decoding; `slot_size`, `slot_threshold`, `token_threshold`,
-`block_length`, `infill_mode` (`"fast"`, or `"reference"` for the authors' released rule), `fused_redraft` and
-`draft_window` can be passed to it (defaults in `generation_config.json`), beside the usual `generate()` options.
+`generate` runs ReFusion's plan-and-infill decoding. It takes the usual `generate()` options and these decoding
+parameters; this model's own defaults are in `generation_config.json`, and an option passed to `generate` wins.
+
+{settings_table()}
 
 {FORMATS[summary.format]}
 

@@ -13,31 +13,21 @@ left-to-right forward, which conversion leaves equal to the base model's.
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-DECODING_ARGUMENTS = ("slot_size", "slot_threshold", "token_threshold", "block_length")
+from generation_refusion import DECODING_FIELDS, SETTING, check_decoding
 
 
 @register_model("refusion")
 class RefusionLM(HFLM):
-    """`HFLM` whose generation uses ReFusion plan-and-infill decoding with the given decoding parameters."""
+    """`HFLM` whose generation uses ReFusion plan-and-infill decoding with the decoding parameters given in
+    `model_args` (any of `generation_refusion.DECODING_SETTINGS`, e.g. `infill_mode=reference,draft_window=none`);
+    the others come from the model's generation config."""
 
-    def __init__(
-        self,
-        pretrained,
-        slot_size: int | None = None,
-        slot_threshold: float | None = None,
-        token_threshold: float | None = None,
-        block_length: int | None = None,
-        **kwargs,
-    ):
+    def __init__(self, pretrained, **kwargs):
+        given = {name: kwargs.pop(name) for name in DECODING_FIELDS if name in kwargs}
+        self.decoding = {name: SETTING[name].parse(str(value)) for name, value in given.items()}
+        check_decoding(self.decoding)  # refuse conflicting arguments before loading anything
         kwargs.setdefault("trust_remote_code", True)
         super().__init__(pretrained=pretrained, **kwargs)
-        given = dict(
-            slot_size=slot_size,
-            slot_threshold=slot_threshold,
-            token_threshold=token_threshold,
-            block_length=block_length,
-        )
-        self.decoding = {name: value for name, value in given.items() if value is not None}
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         """Decode with ReFusion; stop sequences act on each answer's in-order prefix."""

@@ -75,9 +75,38 @@ def test_a_window_as_wide_as_the_slot_changes_nothing():
         (dict(draft_window=0), "draft_window must be None or an integer >= 1"),
         (dict(draft_window=2.5), "draft_window must be None or an integer >= 1"),
         (dict(draft_window=True), "draft_window must be None or an integer >= 1"),
-        (dict(draft_window=2, infill_mode="reference"), "draft_window applies to infill_mode='fast'"),
+        (dict(draft_window=2, infill_mode="reference"), "draft_window=2 and infill_mode='reference' were both passed"),
     ],
 )
 def test_a_bad_window_is_refused_by_name(given, message):
     with pytest.raises(ValueError, match=message):
         check_decoding(given)
+
+
+@pytest.mark.parametrize("window", [4, None])
+def test_the_shipped_combination_is_exact_with_answers_that_end_inside_slots(window):
+    """Fused redraft with a window of 4 (what the shipped model decodes with) and fused without a window: cached ==
+    recomputed and batched == alone, with an EOS that ends answers inside slots and rows at different times."""
+    model = sharpened_model("llama", scale=4.0)
+    settings = dict(
+        max_new_tokens=24, slot_size=8, block_length=16, slot_threshold=0.5, token_threshold=0.3, pad_token_id=0,
+        fused_redraft=True, draft_window=window, return_dict_in_generate=True,
+    )  # fmt: skip
+    free = model.generate(torch.tensor([PROMPTS[0]]), eos_token_id=[], **settings).sequences[0, len(PROMPTS[0]) :]
+    settings["eos_token_id"] = int(free[5])  # mid-slot in the first answer; other rows meet it elsewhere or never
+    ids, mask = left_padded(PROMPTS)
+    batched = model.generate(ids, attention_mask=mask, **settings)
+    lengths = []
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), **settings)
+        recomputed = model.generate(torch.tensor([prompt]), use_cache=False, **settings)
+        assert torch.equal(alone.sequences, recomputed.sequences)
+        answer = alone.sequences[0, len(prompt) :]
+        assert torch.equal(batched.sequences[row, ids.shape[1] : ids.shape[1] + answer.shape[0]], answer)
+        assert (batched.sequences[row, ids.shape[1] + answer.shape[0] :] == 0).all()
+        lengths.append(answer.shape[0])
+    assert torch.equal(
+        batched.sequences, model.generate(ids, attention_mask=mask, use_cache=False, **settings).sequences
+    )
+    assert lengths[0] <= 6 and max(lengths) > min(lengths), lengths  # answers ended early, at different times
+    assert any(length % 8 for length in lengths), lengths  # and inside a slot
