@@ -3,11 +3,13 @@
     python -m benchmarks.quality_speed --output_dir DIR [--prompts 32] [--max_new_tokens 64]
         [--adapter recipe/artifacts/smollm2/adapter] [--settings NAME ...]
         [--checkpoints outputs/recipe-smollm2/stage-2/refusion/checkpoint-62 ...]
-        [--device cpu] [--dtype float32] [--ar_dtypes float32 bfloat16]
+        [--device cpu] [--dtype float32] [--ar_dtypes float32 bfloat16] [--ar_compiled bfloat16] [--repeats 1]
 
 Same held-out prompts (never trained on), same weights, one run. Decoders: the base model's greedy generate()
-(the AR teacher, also timed in each of `--ar_dtypes`: the fastest AR decoding is the 1.0x of every batch-1
-speed-up), the converted model decoded token by token with transformers' generate() (what the adapter costs, apart
+(the AR teacher, also timed eagerly in each of `--ar_dtypes` and with transformers' compiled static-cache
+generate() in each of `--ar_compiled`, its one-off compile time recorded; every AR row is timed `--repeats` times
+in interleaved rounds, and the fastest AR decoding, named in the table, is the 1.0x of every batch-1 speed-up), the
+converted model decoded token by token with transformers' generate() (what the adapter costs, apart
 from the decoding order), ReFusion over a grid of whole decoding settings (`GRID`: the shipped one, and the fast
 rule with whole-slot checks at slot 16, block 32, thresholds 0.8 / 0.3 changed as each name says: infill mode
 reference, the fused MDM redraft, draft windows of 2 and 4, slot sizes 4-32, block lengths 16-64, slot thresholds
@@ -29,14 +31,16 @@ import argparse
 import copy
 import re
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from benchmarks.settings import WHOLE_SLOTS, generation_config, setting, shipped
 from generation_refusion import DECODING_FIELDS
-from recipe.decoding import DecodeRun, decode
-from recipe.evaluate import Evaluation
+from recipe.decoding import DecodeRun, compile_mode, decode, decode_compiled_ar
+from recipe.evaluate import Evaluation, fastest, speed
 from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
 from recipe.report import cell, write_results
 
@@ -87,8 +91,25 @@ def choose_setting(rows: list[dict], reference: dict) -> tuple[str, str]:
     return max(candidates, key=lambda row: row["token_f1"])["name"], "best word F1 (none reaches 1 token/forward)"
 
 
+def interleaved(decoders: dict[str, Callable[[], DecodeRun]], repeats: int) -> dict[str, DecodeRun]:
+    """Each decoder's fastest of `repeats` runs, timed in rounds (every decoder once a round), so that a busy spell
+    of the machine slows them alike; a compiled decoder's `compile_seconds` is that of its first run (the one that
+    compiled), its `recompiles` those of all its runs."""
+    runs = {name: [] for name in decoders}
+    for _ in range(repeats):
+        for name, run in decoders.items():
+            runs[name].append(run())
+    best = {name: copy.copy(fastest(timed)) for name, timed in runs.items()}
+    for name, run in best.items():
+        if run.compile_seconds is not None:
+            run.compile_seconds = runs[name][0].compile_seconds
+            run.recompiles = sum(timed.recompiles for timed in runs[name])
+    return best
+
+
 def against_fastest_ar(rows: list[dict]) -> str:
-    """Rescale the batch-1 speed-ups to the fastest batch-1 AR row (AR timed in several dtypes); return its name."""
+    """Rescale the batch-1 speed-ups to the fastest batch-1 AR row of the base model (eager in several dtypes and
+    compiled); return its name."""
     base_ar = [row for row in rows if row["name"].startswith(AR) and row["batch_size"] == 1]
     fastest = max(base_ar, key=lambda row: row["tokens_per_second"])
     for row in rows:
@@ -105,7 +126,7 @@ def markdown(results: dict) -> str:
         f"{results['machine']}, {results['dtype']}. AR generative perplexity {ar['generative_perplexity']:.2f}; "
         f"AR accuracy on the verifiable prompts {ar['accuracy_verifiable']:.2f} ({results['ar_correct']} correct). "
         f"Times: the fastest of {results.get('repeats', 1)} run(s) of each decoder. Speed-ups at batch 1 are against "
-        f"the fastest AR decoding: {results.get('fastest_ar', AR)}.",
+        f"the fastest AR decoding: {results.get('fastest_ar', AR)}.{compiled_note(results)}",
         "",
         f"Chosen: **{results['chosen']}** ({results['chosen_reason']}).",
         *settings_table(results.get("settings", {})),
@@ -120,7 +141,7 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {row['name']} | {row['batch_size']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x "
             f"| {row['forwards']} | {per_forward} | {cell(row.get('step_tokens_per_forward'))} "
-            f"| {cell(row['accepted_run_per_verify'])} | {row['orchestration']:.0%} "
+            f"| {cell(row['accepted_run_per_verify'])} | {cell(row['orchestration'], '.0%')} "
             f"| {row['generative_perplexity']:.2f} "
             f"| {row['exact_match']:.2f} | {row['token_f1']:.2f} | {cell(row['accuracy_where_ar_correct'])} "
             f"| {row['repetition']:.2f} |"
@@ -142,6 +163,21 @@ def markdown(results: dict) -> str:
                 f"| {cell(row['accuracy_where_ar_correct'])} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def compiled_note(results: dict) -> str:
+    """What the compiled AR rows are, and what compiling them cost once (nothing for a run without them)."""
+    compiled = [row for row in results["rows"] if row.get("compile_seconds") is not None]
+    if not compiled:
+        return ""
+    costs = ", ".join(f"{row['name']} {row['compile_seconds']:.0f} s" for row in compiled)
+    recompiles = sum(row["recompiles"] for row in compiled)
+    return (
+        f' Compiled AR: transformers\' generate(cache_implementation="static", compile_config=CompileConfig(mode='
+        f'"{results["ar_compile_mode"]}")), compiled on every device; one-off compile (the warm-up before the '
+        f"first timed run): {costs}; graphs compiled after the warm-ups: {recompiles}. Their forwards are not timed "
+        "apart ('outside forwards': -)."
+    )
 
 
 def settings_table(settings: dict[str, dict]) -> list[str]:
@@ -236,6 +272,17 @@ def main() -> None:
         "--ar_dtypes", nargs="*", default=["float32", "bfloat16"], help="AR is also timed in these; the fastest is 1.0x"
     )
     parser.add_argument(
+        "--ar_compiled",
+        nargs="*",
+        default=["bfloat16"],
+        help="AR is also timed with transformers' compiled static-cache generate() in these dtypes (each compiles "
+        "once: minutes on a 2-core CPU, less with inductor's disk cache warm; none: skip); default bfloat16, the "
+        "fastest AR measured on the project's AVX2 CPU and native on GPUs",
+    )
+    parser.add_argument(
+        "--ar_compile_mode", default=None, help="torch.compile mode of --ar_compiled (default: by device)"
+    )
+    parser.add_argument(
         "--output_dir", required=True, help="where results.json, results.md and quality_vs_speed.png go (overwritten)"
     )
     args = parser.parse_args()
@@ -246,7 +293,15 @@ def main() -> None:
     dtype = decoding_dtype(args.dtype, args.device)
     base, tokenizer = load_base()
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer, args.adapter)  # merged in float32, then cast
-    ar_models = {other: copy.deepcopy(base).to(args.device, other) for other in map(decoding_dtype, args.ar_dtypes)}
+    eager_models = {  # the teacher decodes in `dtype`
+        other: copy.deepcopy(base).to(args.device, other)
+        for other in map(decoding_dtype, args.ar_dtypes)
+        if other != dtype
+    }
+    compiled_models = {
+        other: copy.deepcopy(base).to(args.device, other) for other in map(decoding_dtype, args.ar_compiled)
+    }
+    mode = args.ar_compile_mode or compile_mode(args.device)
     base, model = base.to(args.device, dtype), model.to(args.device, dtype)
     evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
     decode(model, refusion_tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
@@ -264,13 +319,28 @@ def main() -> None:
         return row
 
     outputs = {AR: evaluation.teacher_texts}
+    prompt_ids, max_new_tokens = evaluation.prompt_ids, args.max_new_tokens
+    ar_decoders = {AR: partial(decode, base, tokenizer, prompt_ids, max_new_tokens)}  # the teacher: timed again
+    for other, ar_model in eager_models.items():
+        decode(ar_model, tokenizer, prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
+        ar_decoders[f"{AR}, {str(other).removeprefix('torch.')}"] = partial(
+            decode, ar_model, tokenizer, prompt_ids, max_new_tokens
+        )
+    for other, ar_model in compiled_models.items():  # each run warms up (compiling the first time) before timing
+        ar_decoders[f"{AR}, {str(other).removeprefix('torch.')}, compiled"] = partial(
+            decode_compiled_ar, ar_model, tokenizer, prompt_ids, max_new_tokens, mode=mode
+        )
     rows = [evaluation.ar_row]
-    for other, ar_model in ar_models.items():
-        if other != dtype:
-            decode(ar_model, tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)
-            run = evaluation.timed(ar_model, tokenizer)
-            rows.append(evaluation.row(f"{AR}, {str(other).removeprefix('torch.')}", "ar", run, 1, evaluation.teacher))
-    del ar_models
+    for name, run in interleaved(ar_decoders, args.repeats).items():
+        if name == AR:
+            evaluation.ar_row.update(speed(run, run.tokens_per_second))  # the same answers, timed in the rounds
+            continue
+        rows.append(row := evaluation.row(name, "ar", run, 1, evaluation.teacher))
+        outputs[name] = evaluation.texts(run, tokenizer)
+        row |= {"compile_seconds": run.compile_seconds, "recompiles": run.recompiles}
+        compiled = f", compiled in {run.compile_seconds:.1f} s" if run.compile_seconds is not None else ""
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {run.tokens_per_second:.1f} tokens/s{compiled}", flush=True)
+    del eager_models, compiled_models
     converted = evaluation.converted_ar_run(model, refusion_tokenizer)
     rows.append(converted_row := scored(CONVERTED_AR, "ar", converted))
     for name in args.settings:
@@ -296,6 +366,7 @@ def main() -> None:
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
         "fastest_ar": fastest_ar,
+        "ar_compile_mode": mode,
         "torch": torch.__version__,
         "prompts": len(prompts),
         "repeats": args.repeats,

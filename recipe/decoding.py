@@ -4,6 +4,10 @@ Every run decodes the prompts in left-padded batches of `batch_size` and reports
 the first stop token), the wall time spent in `generate()`, and the model forwards it took, so that tokens/s and
 tokens per forward of the two decoders are computed the same way; a ReFusion run also reports how its drafts fared
 (`Acceptance`).
+
+`decode_compiled_ar` decodes token by token with transformers' compiled static-cache `generate()`, the fastest AR a
+transformers user gets on many machines: it compiles once (reported as `compile_seconds`) before the timed decode, and
+counts the graphs compiled during it (`recompiles`: 0 when one static cache length serves every prompt).
 """
 
 import time
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 SOURCES = ("plan", "redraft")  # rows of the decoder's acceptance counts
 
@@ -69,14 +73,16 @@ class DecodeRun:
     answers: list[list[int]]  # per prompt, without the stop token and what follows it
     seconds: float
     forwards: int
-    forward_seconds: float = 0.0  # of `seconds`, the time spent inside model forwards
+    forward_seconds: float | None = 0.0  # of `seconds`, the time spent inside model forwards (None: not timed)
     step_tokens_per_forward: list[float] | None = None  # ReFusion: the authors' per-step figure, per batch
     acceptance: Acceptance | None = None  # ReFusion: its draft checks, summed over batches
+    compile_seconds: float | None = None  # compiled AR: the warm-up before `seconds` (compiling, if not done before)
+    recompiles: int | None = None  # compiled AR: graphs compiled during the timed decode (after the warm-up)
 
     @property
-    def orchestration(self) -> float:
-        """Share of the decode time spent outside model forwards."""
-        return 1.0 - self.forward_seconds / self.seconds
+    def orchestration(self) -> float | None:
+        """Share of the decode time spent outside model forwards (None where forwards were not timed)."""
+        return None if self.forward_seconds is None else 1.0 - self.forward_seconds / self.seconds
 
     @property
     def tokens(self) -> int:
@@ -137,6 +143,7 @@ def decode(
     max_new_tokens: int,
     batch_size: int = 1,
     autoregressive: bool = False,
+    time_forwards: bool = True,
     **generate_kwargs,
 ) -> DecodeRun:
     """Greedy `model.generate()` over `prompts` (token ids) in batches; ReFusion models take their decoding
@@ -145,7 +152,8 @@ def decode(
 
     Forwards are what the decoder reports: ReFusion's `num_forward_passes`; for token-by-token decoding, one per
     generated position (transformers' `generate()` runs one forward per new token). Hooks on the model only time
-    the forwards, to split the wall time into model and orchestration."""
+    the forwards, to split the wall time into model and orchestration; `time_forwards=False` goes without them
+    (`forward_seconds` None), as a compiled forward must: torch.compile would trace the hooks into it."""
     stop_ids = stop_token_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
     forwards, forward_seconds, started = 0, 0.0, 0.0
 
@@ -159,7 +167,7 @@ def decode(
         synchronize(model.device)
         forward_seconds += time.perf_counter() - started
 
-    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)] if time_forwards else []
     # The bound `model.generate`: a native export loaded with trust_remote_code carries ReFusion's decoder as an
     # instance attribute (transformers' custom_generate), which the class's method would bypass.
     generate = partial(GenerationMixin.generate, model) if autoregressive else model.generate
@@ -194,4 +202,71 @@ def decode(
     finally:
         for hook in hooks:
             hook.remove()
-    return DecodeRun(answers, seconds, forwards, forward_seconds, step_ratios or None, acceptance)
+    timed = forward_seconds if time_forwards else None
+    return DecodeRun(answers, seconds, forwards, timed, step_ratios or None, acceptance)
+
+
+CACHE_BUCKET = 128  # compiled AR: static cache lengths are multiples of this, so prompt sets share a compiled graph
+
+
+def compile_mode(device: str | torch.device) -> str:
+    """The torch.compile mode of compiled AR decoding on `device`: CUDA graphs on CUDA ("reduce-overhead",
+    transformers' default), elsewhere inductor with its GEMM templates tried and timed, without CUDA graphs."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else "max-autotune-no-cudagraphs"
+
+
+def static_cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """A static cache long enough for every prompt and its answer: the longest prompt plus `max_new_tokens`, rounded
+    up to a multiple of `CACHE_BUCKET`."""
+    needed = max(len(prompt) for prompt in prompts) + max_new_tokens
+    return -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@torch.no_grad()
+def decode_compiled_ar(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 1,
+    mode: str | None = None,
+    max_cache_len: int | None = None,
+    **generate_kwargs,
+) -> DecodeRun:
+    """Greedy token-by-token `decode` with transformers' compiled static-cache `generate()`:
+    `generate(cache_implementation="static", compile_config=CompileConfig(mode=...))`, compiled on every device
+    (transformers compiles on CUDA only, unless `CompileConfig._compile_all_devices`), in `mode` (default:
+    `compile_mode`), over a static cache of `max_cache_len` (default: `static_cache_length`).
+
+    transformers runs the prefill eagerly and the one-token steps through the compiled forward, whose shapes are the
+    batch size and the cache length: one graph serves every prompt that fits the cache, and the model keeps the
+    longest cache it has used, so a later call with a shorter one reuses it. A longer cache, or a batch of another
+    size (the last one, where `batch_size` does not divide the prompts), compiles another graph.
+
+    A warm-up first decodes the first batch for 3 tokens (past any stop token): it compiles the graph unless the
+    model has compiled it before, and its wall time is the run's `compile_seconds`. Then the timed decode, without
+    forward hooks (torch.compile would trace them into the graph, so `forward_seconds` is None; forwards are counted
+    as for every AR decode, one per generated position), and `recompiles`: graphs compiled during it (0 expected)."""
+    config = CompileConfig(mode=mode or compile_mode(model.device))
+    config._compile_all_devices = True
+    settings = dict(
+        batch_size=batch_size,
+        autoregressive=True,
+        time_forwards=False,
+        cache_implementation="static",
+        compile_config=config,
+        max_cache_len=max_cache_len or static_cache_length(prompts, max_new_tokens),
+        **generate_kwargs,
+    )
+    warm_up = decode(model, tokenizer, prompts[:batch_size], 3, **{**settings, "eos_token_id": []})
+    if getattr(model, "_compiled_call", None) is None:  # transformers skipped compiling, and warned why
+        raise RuntimeError(f"transformers' generate() did not compile {type(model).__name__} on {model.device}.")
+    graphs = compiled_graphs()
+    run = decode(model, tokenizer, prompts, max_new_tokens, **settings)
+    run.compile_seconds, run.recompiles = warm_up.seconds, compiled_graphs() - graphs
+    return run

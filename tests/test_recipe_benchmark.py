@@ -13,7 +13,7 @@ from benchmarks import quality_speed
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion, save_refusion
 from generation_refusion import DECODING_FIELDS, check_decoding
-from recipe.decoding import DecodeRun, cut_answer, decode, stop_token_ids
+from recipe.decoding import DecodeRun, cut_answer, decode, decode_compiled_ar, static_cache_length, stop_token_ids
 from recipe.evaluate import Evaluation
 from recipe.metrics import (
     answer_nll,
@@ -104,6 +104,35 @@ def test_ar_decode_counts_one_forward_per_generated_token():
         assert run.answers == [cut_answer(generated, stop)]
         assert run.forwards == len(generated)  # a forward for every token, the stop token included
         assert run.seconds > 0 and run.tokens == len(run.answers[0])
+
+
+def test_compiled_ar_decode_answers_as_eager_ar_and_compiles_once_for_prompts_of_every_length():
+    """transformers' compiled static-cache generate() (mode "default" here: max-autotune takes longer to compile):
+    the same greedy answers as eager AR, one forward per generated position, the compile paid in the warm-up, and
+    prompts of different lengths served by that one graph: no recompilation, in the timed decode nor in a later call
+    with shorter prompts (the model keeps its longest static cache). The benchmark tabulates it."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).eval()
+    evaluation = Evaluation(model, tokenizer, prompt_count=4, max_new_tokens=6)  # the eager AR teacher
+    prompts = evaluation.prompt_ids
+    assert len({len(prompt) for prompt in prompts}) > 1
+    compiled = decode_compiled_ar(model, tokenizer, prompts, max_new_tokens=6, mode="default")
+    assert compiled.answers == evaluation.teacher.answers and compiled.forwards == evaluation.teacher.forwards
+    assert compiled.compile_seconds > 0 and compiled.recompiles == 0
+    assert compiled.forward_seconds is None and compiled.orchestration is None  # no hooks in a compiled forward
+    assert static_cache_length(prompts, 6) % 128 == 0 and static_cache_length(prompts, 6) >= max(map(len, prompts)) + 6
+    again = decode_compiled_ar(model, tokenizer, prompts[1:2], max_new_tokens=4, mode="default", max_cache_len=32)
+    assert again.recompiles == 0 and again.answers == [compiled.answers[1][:4]]
+
+    name = f"{quality_speed.AR}, float32, compiled"
+    row = evaluation.row(name, "ar", compiled) | {"compile_seconds": compiled.compile_seconds, "recompiles": 0}
+    rows = [evaluation.ar_row, row]
+    results = dict(machine=evaluation.machine, dtype="float32", prompts=4, max_new_tokens=6, ar_correct=0,
+                   chosen=name, chosen_reason="test", rows=rows, progress=[], ar_compile_mode="default",
+                   fastest_ar=quality_speed.against_fastest_ar(rows))  # fmt: skip
+    table = quality_speed.markdown(results)
+    assert f"| {name} | 1 |" in table and "| - |" in table  # its forwards are not timed apart
+    assert 'CompileConfig(mode="default")), compiled on every device; one-off compile' in table
 
 
 def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():
@@ -225,6 +254,44 @@ def test_the_chosen_setting_is_the_fastest_close_to_ar_else_the_best_at_one_toke
     assert quality_speed.choose_setting(rows, reference)[0] == "fast close"
     rows = [row("best below one", 0.5, 0.7, 3, 0.9), row("good", 0.6, 0.6, 3, 1.1), row("worse", 2, 0.3, 8, 3)]
     assert quality_speed.choose_setting(rows, reference)[0] == "good"
+
+
+def test_the_fastest_ar_row_may_be_a_compiled_one_timed_in_interleaved_rounds():
+    order = []
+
+    def decoder(name, seconds, warm_ups=None):
+        """Runs of `seconds` each; compiled when given the seconds of their `warm_ups` (the first compiles)."""
+
+        def run():
+            order.append(name)
+            if warm_ups is None:
+                return DecodeRun([[5, 6]], seconds.pop(0), 2, forward_seconds=0.1)
+            return DecodeRun([[5, 6]], seconds.pop(0), 2, None, compile_seconds=warm_ups.pop(0), recompiles=0)
+
+        return run
+
+    decoders = {
+        "eager": decoder("eager", [2.0, 1.0, 3.0]),
+        "compiled": decoder("compiled", [0.5, 0.9, 0.4], [90, 1, 1]),
+    }
+    runs = quality_speed.interleaved(decoders, repeats=3)
+    assert order == ["eager", "compiled"] * 3  # rounds, not one decoder's repeats back to back
+    assert runs["eager"].seconds == 1.0 and runs["eager"].compile_seconds is None
+    assert runs["compiled"].seconds == 0.4 and runs["compiled"].compile_seconds == 90  # the one-off cost
+    assert runs["compiled"].recompiles == 0
+
+    ar = quality_speed.AR
+    rows = [
+        {"name": ar, "kind": "ar", "batch_size": 1, "tokens_per_second": 13.0, "speedup": 1.0},
+        {"name": f"{ar}, bfloat16", "kind": "ar", "batch_size": 1, "tokens_per_second": 16.0},
+        {"name": f"{ar}, bfloat16, compiled", "kind": "ar", "batch_size": 1, "tokens_per_second": 25.0,
+         "compile_seconds": 90.0, "recompiles": 0},
+        {"name": "shipped default", "kind": "slots", "batch_size": 1, "tokens_per_second": 10.0, "speedup": 0.77},
+    ]  # fmt: skip
+    assert quality_speed.against_fastest_ar(rows) == f"{ar}, bfloat16, compiled"
+    assert [row["speedup"] for row in rows] == [0.52, 0.64, 1.0, 0.4]
+    note = quality_speed.compiled_note({"rows": rows, "ar_compile_mode": "max-autotune-no-cudagraphs"})
+    assert f"{ar}, bfloat16, compiled 90 s" in note and "graphs compiled after the warm-ups: 0" in note
 
 
 GRIDS = {"quality_speed": quality_speed.GRID, "decode": decode_benchmark.SETTINGS}
