@@ -21,7 +21,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion"],
+    py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion", "kernels_refusion"],
     packages=find_packages(include=["finetune", "finetune.*", "refusion_eval", "recipe"]),
     # The default model's recipe configs, adapter, distilled data and training history, so that an installed
     # (not only editable) package runs the demo.

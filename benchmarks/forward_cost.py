@@ -11,12 +11,15 @@ tokens, the median time of:
   included, as the decoder pays it), position ids, the cache, `logits_to_keep` (ReFusion's forward);
 - the plain causal call of autoregressive decoding: the base model with a 2-D mask and the cache.
 
-Beside them: the memory-bound floor (weight bytes / measured read bandwidth: no forward can be faster), and the
-decode mix of the shipped default (how many forwards of each width one answer spends, from hooks on the model
-while it answers held-out prompts, decoding in `--dtype`, by default the dtype policy's,
-`recipe.model.decoding_dtype`), which turns the curve into the average price of a ReFusion forward and the tokens
-per forward ReFusion needs to tie with AR. Writes `forward_cost.json`, `.md` and `.png` into `--output_dir`, which
-has no default: a run elsewhere names its own folder rather than overwriting the committed results.
+Beside them: for each dtype `kernels_refusion` packs on this CPU (`packing_plan()`), both calls again with the
+linear layers through oneDNN with prepacked weights as `kernels_refusion.prepack_linears` runs them by default (the
+"prepacked" rows: from the plan's fewest rows on; narrower forwards stay `F.linear`); the memory-bound floor (weight
+bytes / measured read bandwidth: no forward can be faster); and the decode mix of the shipped default (how many
+forwards of each width one answer spends, from hooks on the model while it answers held-out prompts, decoding in
+`--dtype`, by default the dtype policy's, `recipe.model.decoding_dtype`), which turns the curve into the average
+price of a ReFusion forward and the tokens per forward ReFusion needs to tie with AR. Writes `forward_cost.json`,
+`.md` and `.png` into `--output_dir`, which has no default: a run elsewhere names its own folder rather than
+overwriting the committed results.
 """
 
 import argparse
@@ -35,12 +38,14 @@ from transformers import DynamicCache, PreTrainedModel
 
 from finetune.chat import prompt_token_ids
 from generation_refusion import attention_mask
+from kernels_refusion import packing_plan, prepack_linears
 from recipe.decoding import decode, synchronize
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, with_adapter
 from recipe.report import write_results
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+CALLS = ("decoder", "causal", "decoder, prepacked", "causal, prepacked", "decoder, compiled", "causal, compiled")
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
@@ -117,6 +122,29 @@ def forward_times(
     return times, recompiled
 
 
+def prepacked_times(
+    refusion: PreTrainedModel, ar: PreTrainedModel, cache_length: int, widths, repeats: int
+) -> tuple[dict[int, float], dict[int, float]] | None:
+    """`forward_times` of the decoder's and the causal call on copies of `refusion` and `ar` whose linear layers
+    compute through oneDNN with prepacked weights as `prepack_linears` runs them by default; None where those kernels
+    do not apply (no oneDNN, not a CPU, a dtype `kernels_refusion` does not pack here). The models themselves are not
+    changed."""
+    plan = packing_plan()
+    if refusion.device.type != "cpu" or refusion.dtype not in plan:
+        return None
+    refusion, ar = copy.deepcopy(refusion), copy.deepcopy(ar)
+    prepack_linears(refusion, dtypes={refusion.dtype: plan[refusion.dtype]})
+    prepack_linears(ar, dtypes={ar.dtype: plan[ar.dtype]})
+    decoder, _ = forward_times(refusion, cache_length, widths, repeats, decoder_forward)
+    causal, _ = forward_times(ar, cache_length, widths, repeats, causal_forward)
+    return decoder, causal
+
+
+def mean_price(curve: dict[int, float], mix: Counter) -> float:
+    """Mean milliseconds of a forward of the decode `mix` priced on `curve`."""
+    return sum(count * price_at(curve, width) for width, count in mix.items()) / sum(mix.values())
+
+
 @torch.no_grad()
 def decode_mix(model: PreTrainedModel, tokenizer, prompt_ids, max_new_tokens: int) -> Counter:
     """Forwards of each width (new tokens per row) while `model` answers `prompt_ids` one by one with its own
@@ -158,7 +186,7 @@ def markdown(results: dict) -> str:
         "| --- | --- | " + " | ".join("---:" for _ in widths) + " | ---: |",
     ]
     for dtype, entry in results["dtypes"].items():
-        for call in ("decoder", "causal", "decoder, compiled", "causal, compiled"):
+        for call in CALLS:
             if call not in entry:
                 continue
             cells = " | ".join(f"{entry[call][str(w)]:.0f}" for w in widths)
@@ -178,6 +206,12 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {dtype} | {entry['ar_ms']:.0f} | {entry['refusion_mean_ms']:.0f} | {entry['price_ratio']:.2f} |"
         )
+        if "prepacked" in entry:
+            packed = entry["prepacked"]
+            lines.append(
+                f"| {dtype}, prepacked (AR: the faster 1-query causal call) | {packed['ar_ms']:.0f} | "
+                f"{packed['refusion_mean_ms']:.0f} | {packed['price_ratio']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -193,6 +227,9 @@ def plot(results: dict, path: Path) -> None:
         colour = f"C{index}"
         curves.plot(widths, [entry["decoder"][str(w)] for w in widths], "o-", color=colour, label=f"{dtype}, decoder")
         curves.plot(widths, [entry["causal"][str(w)] for w in widths], "s--", color=colour, label=f"{dtype}, causal")
+        if "decoder, prepacked" in entry:
+            prepacked = [entry["decoder, prepacked"][str(w)] for w in widths]
+            curves.plot(widths, prepacked, "^-.", color=colour, label=f"{dtype}, decoder, prepacked")
         curves.axhline(entry["floor_ms"], color=colour, linestyle=":", label=f"{dtype}, memory floor")
     curves.set_xscale("log", base=2)
     curves.set_xlabel("queries per forward")
@@ -250,7 +287,7 @@ def main() -> None:
         refusion, ar = copy.deepcopy(model).to(dtype), copy.deepcopy(base).to(dtype)
         decoder, _ = forward_times(refusion, args.cache, args.widths, args.repeats, decoder_forward)
         causal, _ = forward_times(ar, args.cache, args.widths, args.repeats, causal_forward)
-        refusion_mean = sum(count * price_at(decoder, width) for width, count in mix.items()) / sum(mix.values())
+        refusion_mean = mean_price(decoder, mix)
         entry = {
             "decoder": {str(w): t for w, t in decoder.items()},
             "causal": {str(w): t for w, t in causal.items()},
@@ -259,6 +296,13 @@ def main() -> None:
             "refusion_mean_ms": refusion_mean,
             "price_ratio": refusion_mean / causal[min(causal)],
         }
+        prepacked = prepacked_times(refusion, ar, args.cache, args.widths, args.repeats)
+        if prepacked is not None:
+            decoder, causal = prepacked
+            entry["decoder, prepacked"] = {str(w): t for w, t in decoder.items()}
+            entry["causal, prepacked"] = {str(w): t for w, t in causal.items()}
+            ar_ms, refusion_mean = min(entry["ar_ms"], causal[min(causal)]), mean_price(decoder, mix)
+            entry["prepacked"] = dict(ar_ms=ar_ms, refusion_mean_ms=refusion_mean, price_ratio=refusion_mean / ar_ms)
         if args.compile:
             refusion.forward = torch.compile(refusion.forward, dynamic=True)
             ar.forward = torch.compile(ar.forward, dynamic=True)

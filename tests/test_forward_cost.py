@@ -1,5 +1,6 @@
 """The forward-cost benchmark's pieces on a tiny model, and the benchmarks' AR baseline: the fastest AR decoding."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -11,6 +12,7 @@ from benchmarks import forward_cost
 from benchmarks.quality_speed import against_fastest_ar
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
+from kernels_refusion import PackedLinear, packing_plan
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,19 @@ def test_forward_times_leave_the_cache_as_they_found_it(converted):
     times, recompiled = forward_cost.forward_times(model, 12, [1, 3], repeats=2, call=forward_cost.decoder_forward)
     assert set(times) == {1, 3} and all(milliseconds > 0 for milliseconds in times.values())
     assert recompiled == 0  # an eager forward builds no graph
+
+
+def test_prepacked_rows_time_packed_copies_where_the_kernels_apply(converted):
+    model, _ = converted
+    timed = forward_cost.prepacked_times(model, model, 12, [1, 3], repeats=2)
+    if torch.float32 not in packing_plan():
+        assert timed is None
+        return
+    decoder, causal = timed
+    assert set(decoder) == set(causal) == {1, 3} and min(decoder.values()) > 0
+    assert not any(isinstance(module, PackedLinear) for module in model.modules())  # copies were packed
+    float64 = copy.deepcopy(model).double()
+    assert forward_cost.prepacked_times(float64, float64, 12, [1], repeats=1) is None
 
 
 def test_decode_mix_counts_every_forward_but_each_answers_first(converted):

@@ -1,0 +1,226 @@
+"""Linear layers through oneDNN with prepacked weights: the same model, cheaper wide forwards on a CPU.
+
+    from kernels_refusion import prepack_linears, unpack_linears
+
+    prepack_linears(model)      # nn.Linear layers compute through oneDNN with prepacked weights where that wins
+    with torch.no_grad():
+        model(...)              # inference forwards use the packed weights; logits equal to float tolerance
+    unpack_linears(model)       # plain nn.Linear again
+
+Why: PyTorch's `F.linear` on a CPU is MKL's GEMV for one row and its GEMM above, and in float32 a forward of two to
+sixteen queries costs up to twice a one-query forward. oneDNN with each weight reordered once into its own blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linear_pointwise`: what inductor's
+weight freezing emits) prices those forwards nearer one row, and in bfloat16 on a CPU with AMX it beats
+`F.linear` at every width. What wins depends on the CPU; `packing_plan()` says what is packed where, from
+measurements of SmolLM2-135M's whole forward (ms; 2 threads; 120 cached tokens; fastest of 15, paths interleaved;
+ranges over three runs on the AVX-512 machine; the AVX2 figures are an earlier probe's on that machine):
+
+| CPU | path | 1 q | 2 q | 4 q | 8 q | 16 q |
+| --- | --- | ---: | ---: | ---: | ---: | ---: |
+| AMD EPYC, AVX2 | float32 `F.linear` | 69-74 | 105-114 | 102-124 | 106-121 | |
+| | float32 oneDNN prepacked | 55-57 | 64-68 | 64-77 | 75-83 | |
+| Intel Xeon, AVX-512 + AMX | float32 `F.linear` | 50-54 | 62-65 | 86-96 | 107-115 | 112-132 |
+| | float32 oneDNN prepacked | 67-73 | 78-82 | 79-90 | 82-102 | 98-112 |
+| | bfloat16 `F.linear` | 58-62 | 64-68 | 63-65 | 62-70 | 72-80 |
+| | bfloat16 oneDNN prepacked | 48-52 | 56-61 | 58-61 | 53-64 | 61-68 |
+
+A oneDNN call costs 15-30 us more than an `F.linear` one, which its float32 AVX-512 kernels repay only from about
+four rows.
+
+What stays the same: each switched layer keeps its parameter objects (its class becomes `PackedLinear`, an
+`nn.Linear` subclass with no new parameters or buffers), so parameter names, `state_dict()`, `save_pretrained`,
+tied weights and `model.to(...)` are untouched. The packed path is taken only where it computes what `F.linear`
+would (to float rounding): a CPU input and weight of a planned dtype, enough rows, no autocast, not under
+`torch.compile` (inductor packs for itself) and no gradient to record. Every other call (training, a float64 or
+CUDA model, a dtype that does not win here) is the ordinary `F.linear`.
+
+Stale packs: a layer remembers what it packed (the weight's memory, dtype and version counter) and, before each
+packed forward, checks that the weight is still that tensor with no in-place change since. `model.to(dtype or
+device)`, `load_state_dict`, in-place ops on the parameter (`weight.mul_`, `copy_`, an optimizer step) and
+`weight.data = ...` (PEFT's `safe_merge`) all fail the check: the layer repacks (or, when the new weight is not
+packable, computes with `F.linear` and frees the old pack). A write through a `.data` alias (`weight.data += ...`,
+PEFT's default LoRA merge) is the one change PyTorch does not count, so no forward can see it cheaply; calling
+`prepack_linears(model)` again does (it compares a checksum of every packed weight and repacks what changed), so
+call it after changing weights that way and before decoding. Copies (`copy.deepcopy`, pickling) leave the packs
+out and repack on their first forward.
+
+Memory: a packed weight is a second copy of the weight (about the model's size again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PACK = "_refusion_pack"
+_PLAN = "_refusion_pack_plan"
+_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch build can run linear layers through oneDNN on this CPU."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _has_amx() -> bool:
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx is not None and amx())
+
+
+def packing_plan() -> dict[torch.dtype, int]:
+    """The weight dtypes `prepack_linears` packs by default on this machine, each with the fewest rows (tokens in a
+    forward) from which the packed kernel is used (fewer compute with `F.linear`), as measured (the module's
+    table): float32 from one row on AVX2 CPUs and from four on AVX-512 ones, whose MKL GEMV beats oneDNN below
+    that; bfloat16 from one row on CPUs with AMX tiles, and not elsewhere (unmeasured without AMX; AVX2 has no
+    bfloat16 arithmetic). Empty without oneDNN."""
+    if not onednn_available():
+        return {}
+    plan = {torch.float32: 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 1}
+    if _has_amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        plan[torch.bfloat16] = 1
+    return plan
+
+
+def _plan(dtypes: Mapping[torch.dtype, int] | Iterable[torch.dtype] | None) -> dict[torch.dtype, int]:
+    if dtypes is None:
+        return packing_plan()
+    if isinstance(dtypes, Mapping):
+        return {dtype: max(1, int(rows)) for dtype, rows in dtypes.items()}
+    return dict.fromkeys(dtypes, 1)
+
+
+class _Pack:
+    """A prepacked weight and what it was packed from."""
+
+    __slots__ = ("checksum", "dtype", "packed", "source", "version")
+
+    def __init__(self, weight: torch.Tensor):
+        with torch.no_grad():
+            # Holding the source keeps its storage alive, so no later weight can occupy the same memory.
+            self.source, self.dtype, self.version = weight.detach(), weight.dtype, weight._version
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.source, None)
+            self.checksum = checksum(self.source)
+
+    def packs(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is still exactly the tensor this was packed from: the same memory (storage, offset, size,
+        strides), dtype and version (no in-place change since)."""
+        # A weight that is another tensor fails `is_set_to` before its version (which inference tensors lack) is read.
+        return weight.is_set_to(self.source) and weight.dtype == self.dtype and weight._version == self.version
+
+
+def checksum(weight: torch.Tensor) -> int:
+    """A fingerprint of the weight's contents that any change of one element changes: its bits summed as 64-bit
+    integers (wrapping). Reads the weight once (about a sixth of the time of packing it)."""
+    with torch.no_grad():
+        bits = weight.detach().reshape(-1)
+        size = bits.element_size()
+        if (bits.numel() * size) % 8 or (bits.storage_offset() * size) % 8:
+            return int(bits.view(_INTEGER_OF_SIZE[size]).sum(dtype=torch.int64))
+        return int(bits.view(torch.int64).sum())
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` whose inference forwards compute through oneDNN with a prepacked weight (see the module's
+    docstring). Layers become one through `prepack_linears`, which switches their class in place."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        # Under torch.compile the layer is an ordinary linear: inductor packs weights itself (freezing).
+        packed = None if torch.compiler.is_compiling() else self._packed_weight(weight, bias, input)
+        if packed is None:
+            return F.linear(input, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise.default(input, packed, bias, "none", [], "")
+
+    def _packed_weight(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor | None = None, repack: bool = False
+    ) -> torch.Tensor | None:
+        """The packed weight for a forward on `input` (without one: for an inference forward of enough rows), packed
+        again if the weight changed since; None where this forward must be `F.linear` (and then a pack that is
+        stale or of a dtype no longer planned is freed)."""
+        pack, rows = self.__dict__.get(_PACK), self.__dict__.get(_PLAN, {}).get(weight.dtype)
+        usable = rows is not None and (bias is None or bias.dtype == weight.dtype)
+        if usable and input is not None:
+            usable = (
+                input.numel() >= rows * self.in_features
+                and type(input) is torch.Tensor
+                and input.is_cpu
+                and input.dtype == weight.dtype
+                and input.layout == torch.strided
+                and not (
+                    torch.is_grad_enabled()
+                    and (input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+                )
+                and not torch.is_autocast_enabled("cpu")
+            )
+        if usable and not repack and pack is not None and pack.packs(weight):
+            return pack.packed
+        if pack is not None and (rows is None or repack or not pack.packs(weight)):
+            del self.__dict__[_PACK]  # stale, or of a dtype no longer packed: free it
+        if not usable or not _packable(weight, bias):
+            return None
+        pack = self.__dict__[_PACK] = _Pack(weight)
+        return pack.packed
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(...)`, `.double()`, `.cuda()`: free a pack the converted weight no longer is (a no-op keeps it).
+        result = super()._apply(fn, recurse)
+        pack = self.__dict__.get(_PACK)
+        if pack is not None and not pack.packs(self.weight):
+            del self.__dict__[_PACK]
+        return result
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop(_PACK, None)  # oneDNN's opaque tensors cannot be copied or pickled; a copy repacks when used
+        return state
+
+
+def _packable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN can pack `weight` and we can tell when it changes (inference tensors have no version)."""
+    return (
+        type(weight) in (nn.Parameter, torch.Tensor)
+        and weight.is_cpu
+        and weight.layout == torch.strided
+        and not weight.is_inference()
+        and (bias is None or bias.is_cpu)
+    )
+
+
+def prepack_linears(model: nn.Module, dtypes: Mapping[torch.dtype, int] | Iterable[torch.dtype] | None = None) -> int:
+    """Make every `nn.Linear` of `model` compute its inference forwards through oneDNN with a prepacked weight, and
+    make every pack current: pack the weights that are packable now and pack again those whose contents changed by
+    any route (a checksum of each packed weight is compared, so this also sees writes through a `.data` alias, such
+    as PEFT's default LoRA merge, which forwards cannot see). `dtypes`: the weight dtypes to pack, each from how many
+    rows on (a mapping dtype -> rows; a list of dtypes means from one row), by default `packing_plan()`. Returns how
+    many layers compute through packed weights now (0 where oneDNN is unavailable, and then nothing changes).
+    Subclasses of `nn.Linear` (quantized or adapter layers) are left alone. Calling it again (before each
+    generation, say) costs one read of the packed weights when nothing changed."""
+    if not onednn_available():
+        return 0
+    plan = _plan(dtypes)
+    packed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = PackedLinear
+        if type(module) is PackedLinear:
+            module.__dict__[_PLAN] = plan
+            weight, pack = module.weight, module.__dict__.get(_PACK)
+            changed = pack is not None and pack.packs(weight) and pack.checksum != checksum(weight)
+            packed += module._packed_weight(weight, module.bias, repack=changed) is not None
+    return packed
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Turn the layers `prepack_linears` switched back into plain `nn.Linear` and free their packed weights. Returns
+    how many it turned back."""
+    unpacked = 0
+    for module in model.modules():
+        if type(module) is PackedLinear:
+            module.__dict__.pop(_PACK, None)
+            module.__dict__.pop(_PLAN, None)
+            module.__class__ = nn.Linear
+            unpacked += 1
+    return unpacked

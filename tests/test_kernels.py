@@ -1,0 +1,306 @@
+"""Linear layers through oneDNN with prepacked weights (kernels_refusion): the same logits, state, gradients and
+tokens as plain nn.Linear; a weight changed after packing is never computed with from a stale pack."""
+
+import copy
+import pickle
+from collections import Counter
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_generation import PROMPT, sharpened_model
+from tiny import ARCHITECTURES, tiny_backbone
+from torch import nn
+from transformers import DynamicCache
+
+import kernels_refusion
+from kernels_refusion import PackedLinear, packing_plan, prepack_linears, unpack_linears
+
+onednn = pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
+bf16_onednn = pytest.mark.skipif(
+    not (kernels_refusion.onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="oneDNN has no bfloat16 kernels on this CPU",
+)
+VOCAB = 320
+FLOAT32 = dict(rtol=1e-5, atol=1e-5)
+EXACT = dict(rtol=0, atol=0)
+ATEN, ONEDNN = "aten::linear", "mkldnn::_linear_pointwise"
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+
+
+def model_of(architecture: str = "llama", seed: int = 0) -> nn.Module:
+    """A tiny random float32 causal LM with weights large enough for logits to spread."""
+    return tiny_backbone(architecture, VOCAB, seed=seed, initializer_range=0.2)
+
+
+def packed_copy(model: nn.Module, dtypes=(torch.float32,)) -> nn.Module:
+    """A copy of `model` with its linear layers packed (from one row on, whatever the default plan says)."""
+    packed = copy.deepcopy(model)
+    assert prepack_linears(packed, dtypes=dtypes) == len(linears(model))
+    return packed
+
+
+def linears(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if isinstance(module, nn.Linear)]
+
+
+def linear_ops(call) -> Counter:
+    """How often `call()` ran each linear kernel: aten's (F.linear) and oneDNN's prepacked one."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        call()
+    return Counter({event.key: event.count for event in profile.key_averages() if event.key in (ATEN, ONEDNN)})
+
+
+def forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def kernels_of(packed: nn.Module, model: nn.Module, ids: torch.Tensor = IDS, **tolerance) -> Counter:
+    """The linear kernels a no-grad forward of `packed` runs on `ids`, after checking that its logits equal those of
+    `model` (to float32 tolerance unless told)."""
+    expected, outputs = forward(model, ids), []
+    ops = linear_ops(lambda: outputs.append(forward(packed, ids)))
+    torch.testing.assert_close(outputs[0], expected, **(tolerance or FLOAT32))
+    return ops
+
+
+def logits_with_cache(model: nn.Module, prompt: torch.Tensor, widths=(1, 2, 4, 8)) -> list[torch.Tensor]:
+    """Logits of a prefill of `prompt`, then of forwards of each width of new tokens after the cache grown so far."""
+    generator = torch.Generator().manual_seed(1)
+    cache, outputs = DynamicCache(), []
+    with torch.no_grad():
+        outputs.append(model(input_ids=prompt, cache=cache, use_cache=True).logits)
+        for width in widths:
+            ids = torch.randint(0, VOCAB, (prompt.shape[0], width), generator=generator)
+            outputs.append(model(input_ids=ids, cache=cache, use_cache=True).logits)
+    return outputs
+
+
+@onednn
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_packed_logits_equal_plain_ones_at_every_width_with_a_cache(architecture, batch):
+    model = model_of(architecture)
+    packed = packed_copy(model)
+    prompt = torch.randint(0, VOCAB, (batch, 12), generator=torch.Generator().manual_seed(0))
+    expected, actual = logits_with_cache(model, prompt), []
+    ops = linear_ops(lambda: actual.extend(logits_with_cache(packed, prompt)))
+    assert ops == Counter({ONEDNN: 5 * len(linears(model))})  # the prefill and widths 1, 2, 4, 8: all packed
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, **FLOAT32)
+
+
+@onednn
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # tied lm_head / biased q, k, v projections
+def test_parameters_state_dict_and_saved_files_do_not_change(architecture, tmp_path):
+    model = model_of(architecture)
+    parameters, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    state = model.state_dict()
+    model.save_pretrained(tmp_path / "plain")
+    prepack_linears(model, dtypes=(torch.float32,))
+    forward(model, IDS)
+    assert dict(model.named_parameters()) == parameters  # the same objects under the same names
+    assert dict(model.named_buffers()).keys() == buffers.keys()
+    packed_state = model.state_dict()
+    assert list(packed_state) == list(state)
+    for name, tensor in state.items():
+        assert packed_state[name].data_ptr() == tensor.data_ptr() and torch.equal(packed_state[name], tensor)
+    model.save_pretrained(tmp_path / "packed")
+    for path in (tmp_path / "plain").iterdir():
+        assert (tmp_path / "packed" / path.name).read_bytes() == path.read_bytes(), path.name
+    if architecture == "llama":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@onednn
+def test_a_weight_changed_in_place_after_packing_is_honoured():
+    model = model_of("llama")
+    packed = packed_copy(model)
+    kernels_of(packed, model)
+    changes = [
+        lambda m: m.model.layers[0].self_attn.q_proj.weight.mul_(1.5),
+        lambda m: m.model.layers[1].mlp.down_proj.weight.add_(0.1),
+        lambda m: m.model.embed_tokens.weight.mul_(-1.0),  # the tied lm_head sees it through the shared parameter
+        lambda m: m.load_state_dict(model_of("llama", seed=3).state_dict()),
+    ]
+    for change in changes:
+        with torch.no_grad():
+            change(model)
+            change(packed)
+        assert kernels_of(packed, model) == Counter({ONEDNN: len(linears(model))})  # repacked, not fallen back
+
+
+@onednn
+def test_a_weight_replaced_through_data_is_honoured_and_a_data_alias_write_at_the_next_prepack():
+    model = model_of("llama")
+    packed = packed_copy(model)
+    kernels_of(packed, model)
+    for m in (model, packed):
+        layer = m.model.layers[0].mlp.up_proj
+        layer.weight.data = layer.weight.data * 2  # a new tensor: new storage, seen by the forward
+    kernels_of(packed, model)
+    for m in (model, packed):
+        m.model.layers[1].self_attn.o_proj.weight.data.mul_(3)  # PyTorch counts no version for this write
+    assert prepack_linears(packed, dtypes=(torch.float32,)) == len(linears(model))  # the checksum sees it
+    assert kernels_of(packed, model) == Counter({ONEDNN: len(linears(model))})
+
+
+@onednn
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_a_lora_merge_after_packing_is_honoured(safe_merge):
+    model = model_of("qwen2")
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    adapted = get_peft_model(copy.deepcopy(model), config).eval()
+    packed = copy.deepcopy(adapted)
+    prepack_linears(packed, dtypes=(torch.float32,))
+    kernels_of(packed, adapted)  # packs the base layers and the adapters' own linears
+    merged = adapted.merge_and_unload(safe_merge=safe_merge)
+    packed_merged = packed.merge_and_unload(safe_merge=safe_merge)
+    if not safe_merge:  # `weight.data += delta`: seen by the next prepack_linears, not by a forward
+        prepack_linears(packed_merged, dtypes=(torch.float32,))
+    assert kernels_of(packed_merged, merged) == Counter({ONEDNN: len(linears(model))})
+    assert not torch.allclose(forward(merged, IDS), forward(model, IDS))  # the merge changed the logits
+
+
+@onednn
+def test_other_dtypes_fall_back_and_float32_repacks_after_a_round_trip():
+    model = model_of("qwen3")
+    packed = packed_copy(model)
+    kernels_of(packed, model)
+    packed.to(torch.float32)  # a no-op keeps the packs
+    assert all("_refusion_pack" in layer.__dict__ for layer in linears(packed))
+    model, packed = model.double(), packed.double()
+    assert all("_refusion_pack" not in layer.__dict__ for layer in linears(packed))  # stale packs freed at once
+    assert kernels_of(packed, model, **EXACT) == Counter({ATEN: len(linears(model))})
+    model, packed = model.to(torch.bfloat16), packed.to(torch.bfloat16)  # float32 only here: F.linear, bit for bit
+    assert kernels_of(packed, model, **EXACT) == Counter({ATEN: len(linears(model))})
+    model, packed = model.float(), packed.float()
+    assert kernels_of(packed, model) == Counter({ONEDNN: len(linears(model))})
+
+
+@bf16_onednn
+def test_bfloat16_packs_equal_plain_bfloat16_to_its_rounding():
+    model = model_of("mistral").to(torch.bfloat16)
+    packed = packed_copy(model, dtypes=(torch.float32, torch.bfloat16))
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected, actual = logits_with_cache(model, prompt), []
+    assert linear_ops(lambda: actual.extend(logits_with_cache(packed, prompt))) == Counter({ONEDNN: 5 * 15})
+    for got, want in zip(actual, expected, strict=True):  # a few bf16 roundings of logits up to ~5
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+
+
+@onednn
+def test_the_default_plan_packs_float32_everywhere_and_bfloat16_only_with_amx():
+    plan = packing_plan()
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert plan[torch.float32] == (4 if avx512 else 1)  # MKL's GEMV wins below 4 rows on AVX-512
+    assert (torch.bfloat16 in plan) == kernels_refusion._has_amx()
+    model = model_of("llama").to(torch.bfloat16)
+    assert prepack_linears(model) == (len(linears(model)) if kernels_refusion._has_amx() else 0)
+
+
+@onednn
+def test_forwards_narrower_than_the_plan_s_rows_use_f_linear_and_keep_the_pack():
+    model = model_of("qwen3")
+    packed = copy.deepcopy(model)
+    prepack_linears(packed, dtypes={torch.float32: 4})
+    batch = torch.cat([IDS[:, :2], IDS[:, 2:4]])  # 2 rows of 2 tokens: 4 in all
+    for ids, kernel in ((IDS[:, :3], ATEN), (IDS[:, :4], ONEDNN), (batch, ONEDNN), (IDS[:, :1], ATEN)):
+        assert kernels_of(packed, model, ids) == Counter({kernel: len(linears(model))})
+    assert all("_refusion_pack" in layer.__dict__ for layer in linears(packed))
+
+
+@onednn
+def test_a_forward_that_records_gradients_falls_back_and_gradients_flow():
+    model = model_of("mistral")
+    packed = packed_copy(model)
+    plain_loss = model(input_ids=IDS, labels=IDS).loss
+    plain_loss.backward()
+    losses = []
+    assert linear_ops(lambda: losses.append(packed(input_ids=IDS, labels=IDS).loss)) == Counter({ATEN: 15})
+    losses[0].backward()
+    torch.testing.assert_close(losses[0], plain_loss, **FLOAT32)
+    for (name, parameter), other in zip(model.named_parameters(), packed.parameters(), strict=True):
+        torch.testing.assert_close(other.grad, parameter.grad, **FLOAT32, msg=name)
+    with torch.no_grad():  # an optimizer step changes every weight in place: the next inference forward repacks
+        for parameter in (*model.parameters(), *packed.parameters()):
+            parameter.sub_(0.1 * parameter.grad)
+    assert kernels_of(packed, model) == Counter({ONEDNN: 15})
+    model.requires_grad_(False)  # frozen weights, grad mode on, nothing to record: packed
+    packed.requires_grad_(False)
+    expected, outputs = model(IDS).logits, []
+    assert linear_ops(lambda: outputs.append(packed(IDS).logits)) == Counter({ONEDNN: 15})
+    torch.testing.assert_close(outputs[0], expected, **FLOAT32)
+
+
+@onednn
+def test_inference_mode_and_autocast():
+    model = model_of("qwen2")
+    packed = packed_copy(model)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(IDS).logits, model(IDS).logits, **FLOAT32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 F.linear, not a float32 kernel
+        assert set(kernels_of(packed, model, **EXACT)) == {ATEN}  # (the profiler lists autocast's call twice)
+
+
+@onednn
+def test_copies_and_pickles_repack_on_their_own():
+    model = model_of("llama")
+    packed = packed_copy(model)
+    kernels_of(packed, model)
+    for other in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert all(type(layer) is PackedLinear and "_refusion_pack" not in layer.__dict__ for layer in linears(other))
+        assert kernels_of(other, model) == Counter({ONEDNN: len(linears(model))})
+    kernels_of(packed, model)
+
+
+@onednn
+def test_unpack_restores_plain_linears():
+    plain = model_of("qwen3")
+    model = packed_copy(plain)
+    forward(model, IDS)
+    assert unpack_linears(model) == len(linears(plain))
+    for layer, original in zip(linears(model), linears(plain), strict=True):
+        assert type(layer) is nn.Linear and set(layer.__dict__) == set(original.__dict__)
+    assert repr(model) == repr(plain)
+    assert kernels_of(model, plain, **EXACT) == Counter({ATEN: len(linears(plain))})
+
+
+def test_subclasses_of_linear_are_left_alone_and_nothing_changes_without_onednn(monkeypatch):
+    class Custom(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), Custom(4, 4))
+    if kernels_refusion.onednn_available():
+        assert prepack_linears(model, dtypes=(torch.float32,)) == 1
+        assert type(model[0]) is PackedLinear and type(model[1]) is Custom
+        unpack_linears(model)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert packing_plan() == {} and prepack_linears(model) == 0
+    assert [type(layer) for layer in model] == [nn.Linear, Custom]
+
+
+@onednn
+def test_refusion_generate_gives_the_same_tokens_packed():
+    model = sharpened_model("qwen3", scale=4.0).float()
+    packed = packed_copy(model)
+    for settings in (dict(slot_size=4), dict(slot_size=8, slot_threshold=0.5, token_threshold=0.5)):
+        settings.update(max_new_tokens=24, eos_token_id=[], return_dict_in_generate=True)
+        expected, outputs = model.generate(PROMPT, **settings), []
+        ops = linear_ops(lambda settings=settings, outputs=outputs: outputs.append(packed.generate(PROMPT, **settings)))
+        assert set(ops) == {ONEDNN}
+        assert torch.equal(outputs[0].sequences, expected.sequences)
+        assert outputs[0].num_forward_passes == expected.num_forward_passes
+
+
+@onednn
+def test_under_torch_compile_a_packed_layer_is_an_ordinary_linear():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    prepack_linears(model, dtypes=(torch.float32,))
+    inputs = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(inputs)
+        compiled = torch.compile(model, fullgraph=True)  # no graph break: inductor sees F.linear and packs for itself
+        torch.testing.assert_close(compiled(inputs), expected, **FLOAT32)
