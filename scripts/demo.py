@@ -27,7 +27,7 @@ from finetune.chat import prompt_token_ids
 from finetune.convert import save_refusion
 from generation_refusion import DECODING_FIELDS
 from recipe.decoding import compile_mode, decode, decode_compiled_ar
-from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
+from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
     "What is the capital of Japan?",
@@ -75,6 +75,8 @@ def main() -> None:
         f"[reload]  {output_dir} as {type(model).__module__}.{type(model).__name__} "
         f"in {model.dtype} ({time.perf_counter() - start:.1f} s)"
     )
+    packed = prepare_for_decoding(model)
+    print(f"[kernels] {packed} linear layers of ReFusion through oneDNN with prepacked weights (decoding policy)")
 
     prompt_ids = prompt_token_ids(tokenizer, PROMPTS)
     runs = {}

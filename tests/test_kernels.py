@@ -304,3 +304,18 @@ def test_under_torch_compile_a_packed_layer_is_an_ordinary_linear():
         expected = model(inputs)
         compiled = torch.compile(model, fullgraph=True)  # no graph break: inductor sees F.linear and packs for itself
         torch.testing.assert_close(compiled(inputs), expected, **FLOAT32)
+
+
+@onednn
+def test_the_decoding_policy_prepacks_a_cpu_model_unless_told_not_to():
+    from recipe.model import prepare_for_decoding
+
+    model = sharpened_model("llama", scale=4.0).float()
+    plain = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
+    assert prepare_for_decoding(model, kernels=False) == 0 and not any(
+        isinstance(m, PackedLinear) for m in linears(model)
+    )
+    assert prepare_for_decoding(model) == len(linears(model)) > 0
+    packed = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
+    assert torch.equal(packed.sequences, plain.sequences)
+    assert packed.num_forward_passes == plain.num_forward_passes
