@@ -23,7 +23,9 @@ tokens. Inside a block every step runs:
 
 The code is layered: pure decision functions on tensors (`choose_slots`, `accept_and_correct`, ...), a passive
 record of what one row has stored (`StoredSequence`), a per-row generator of model requests (`SlotDecoder`) and a
-batched executor (`execute`) that runs the requests of all rows as one forward over one `DynamicCache`. Each stored
+batched executor (`execute`) that runs the requests of all rows as one forward over one cache: a `DynamicCache`, or
+with `cache_implementation="static"` a `SlotCache` allocated once, whose forwards can run compiled (padded to a few
+widths, `WIDTH_BUCKETS`). Each stored
 token remembers what it attends to (a prefix of its row's sequence, its own group, and for `[MASK]` queries the
 group they draft for), so `use_cache=False` recomputes every forward from scratch with the same attention and
 must give the same tokens.
@@ -41,7 +43,15 @@ from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache, GenerationConfig, MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import (
+    CompileConfig,
+    DynamicCache,
+    GenerationConfig,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.generation import logits_process as lp
 from transformers.utils import ModelOutput
 
@@ -76,8 +86,12 @@ REFUSED_OPTIONS = {
     "token_healing": (None, False),
     "use_mtp": (None, False),
     "low_memory": (None, False),
-    "cache_implementation": (None, "dynamic"),
 }
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=...)`: None means "dynamic"
+# Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
+# a bounded number of graphs. Wider forwards (a prompt, a long plan) run eagerly over the same static cache.
+WIDTH_BUCKETS = (8, 16, 32, 64)
+CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
 CONTEXT_FREE = (
     lp.TemperatureLogitsWarper,
@@ -311,6 +325,8 @@ DecodingSettings = make_dataclass(
         ("pad_token_id", int),
         ("do_sample", bool),
         ("use_cache", bool),
+        ("cache_implementation", str),
+        ("compile_config", CompileConfig | None),  # compiled forwards over the static cache when set
     ],
     frozen=True,
 )
@@ -335,6 +351,12 @@ def resolve_settings(
         if value not in neutral:
             raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}.")
     decoding = check_decoding(passed, configured)
+    cache_implementation = config.cache_implementation or "dynamic"
+    if cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"ReFusion slot decoding supports cache_implementation in {CACHE_IMPLEMENTATIONS}, got "
+            f"{cache_implementation!r}."
+        )
 
     mask_token_id = kwargs.get("mask_token_id", getattr(config, "mask_token_id", None))
     mask_token_id = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
@@ -371,8 +393,23 @@ def resolve_settings(
         pad_token_id=int(pad_token_id),
         do_sample=do_sample,
         use_cache=config.use_cache is not False,  # None (unset) means the cache is used, as in generate()
+        cache_implementation=cache_implementation,
+        compile_config=compile_config_for(model, config, cache_implementation),
     )
     return settings, config
+
+
+def compile_config_for(model, config: GenerationConfig, cache_implementation: str) -> CompileConfig | None:
+    """How the forwards are compiled, by transformers' rule: over a static cache, unless `disable_compile`, on CUDA
+    (or XPU), and on other devices when the config's `compile_config` sets `_compile_all_devices`. None: eager."""
+    if cache_implementation != "static" or config.disable_compile or config.use_cache is False:
+        return None
+    compile_config = config.compile_config
+    if model.device.type in ("cuda", "xpu"):
+        return compile_config if compile_config is not None else CompileConfig(fullgraph=True, dynamic=False)
+    if compile_config is not None and getattr(compile_config, "_compile_all_devices", False):
+        return compile_config
+    return None
 
 
 def build_logits_processors(
@@ -1027,16 +1064,17 @@ class SlotDecoder:
 
 
 # ---- many rows: one batched forward per step -----------------------------------------------------------------------
-def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, past: int, dtype) -> torch.Tensor:
-    """Additive mask `[batch, 1, new, past + new]`: a token sees the keys of its row ranked below its prefix, and
-    the keys of its own group and of its parent group ranked up to itself (and always itself, so that padding rows
-    stay finite)."""
+def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, columns, dtype) -> torch.Tensor:
+    """Additive mask `[batch, 1, new, keys]`: a token sees the keys of its row ranked below its prefix, and the keys
+    of its own group and of its parent group ranked up to itself, and always itself (so that padding rows stay
+    finite): the new tokens sit at cache `columns` (`[batch, new]`, or an int `past`: columns past, past + 1, ...)."""
     below = key_ranks[:, None, :] <= ranks[:, :, None]
     sees = key_ranks[:, None, :] < prefixes[:, :, None]
     sees |= (key_groups[:, None, :] == groups[:, :, None]) & below
     sees |= (key_groups[:, None, :] == parents[:, :, None]) & below
-    new = torch.arange(ranks.shape[1], device=ranks.device)
-    sees[:, new, past + new] = True
+    if isinstance(columns, int):
+        columns = columns + torch.arange(ranks.shape[1], device=ranks.device).expand_as(ranks)
+    sees.scatter_(2, columns[:, :, None], True)
     mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device)
     return mask.masked_fill(~sees, torch.finfo(dtype).min)[:, None]
 
@@ -1044,55 +1082,186 @@ def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, past
 PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2, "parents": NO_GROUP}
 
 
-def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | None) -> int:
-    """Run the decoders' requests as batched forwards over one `cache` (rows of different lengths leave masked
-    holes in it; without a cache every request carries its whole sequence); finished rows leave the batch.
-    Returns the number of forwards."""
+class SlotCache(Cache):
+    """Static K/V storage for slot decoding: `[batch, kv heads, max_cache_len, head dim]` per layer, allocated once
+    (transformers' `StaticLayer`), which `torch.compile` can capture. Each row keeps its stored tokens in storage
+    order at columns 0, 1, ... (a token's column is its rank); a forward writes its new tokens at the `columns`
+    (`[batch, width]`) the executor sets, and keeping only the accepted queries is moving the row's write pointer
+    back: the next forward overwrites the rest, and the mask hides every column not yet written or dropped."""
+
+    def __init__(self, model, batch_size: int, max_cache_len: int):
+        text_config = model.config.get_text_config(decoder=True)
+        super().__init__(layers=[StaticLayer(max_cache_len) for _ in range(text_config.num_hidden_layers)])
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.early_initialization(batch_size, text_config.num_key_value_heads, head_dim, model.dtype, model.device)
+        self.max_cache_len = max_cache_len
+        self.columns = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        index = self.columns[:, None, :, None]
+        layer.keys.scatter_(2, index.expand_as(key_states), key_states)
+        layer.values.scatter_(2, index.expand_as(value_states), value_states)
+        return layer.keys, layer.values
+
+    def fits(self, model, batch_size: int, max_cache_len: int) -> bool:
+        """Whether this cache serves a decode of `batch_size` rows needing `max_cache_len` columns on `model`."""
+        keys = self.layers[0].keys
+        return (keys.shape[0], keys.dtype, keys.device) == (batch_size, model.dtype, model.device) and (
+            max_cache_len <= self.max_cache_len
+        )
+
+
+def slot_cache(model, batch_size: int, needed: int) -> SlotCache:
+    """A static cache of at least `needed` columns (rounded up to `CACHE_LENGTH_MULTIPLE`), the model's last one when
+    it fits: compiled forwards then see the same cache tensors from one `generate()` call to the next."""
+    length = -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
+    cache = getattr(model, "_refusion_slot_cache", None)
+    if cache is None or not cache.fits(model, batch_size, length):
+        cache = SlotCache(model, batch_size, length)
+        model._refusion_slot_cache = cache
+    return cache
+
+
+class CacheLayout:
+    """Where the rows' tokens are in a `DynamicCache` (or, with no cache, in a forward that recomputes them): one
+    column per token of the batch, appended forward after forward; rows of different lengths leave holes, hidden by
+    giving them rank `NEVER`. Rows that finish leave the batch."""
+
+    def __init__(self, cache: DynamicCache | None, batch_size: int, device):
+        self.cache, self.rows = cache, list(range(batch_size))
+        self.ranks = torch.zeros((batch_size, 0), dtype=torch.long, device=device)  # per row and cache column
+        self.groups = torch.zeros_like(self.ranks)
+
+    def batch_rows(self, live: list[int]) -> list[int]:
+        """The rows of the next forward's batch: the `live` ones (the cache drops the others)."""
+        if live != self.rows and self.cache is not None:
+            keep = [self.rows.index(row) for row in live]
+            self.cache.batch_select_indices(torch.tensor(keep, device=self.ranks.device))
+            self.ranks, self.groups = self.ranks[keep], self.groups[keep]
+        self.rows = live
+        return live
+
+    def place(self, batch: dict, lengths: torch.Tensor):
+        """Cache columns of the batch's new tokens, and the rank and group of every key they attend to."""
+        past = self.ranks.shape[1]
+        return past, torch.cat([self.ranks, batch["ranks"]], dim=1), torch.cat([self.groups, batch["groups"]], dim=1)
+
+    def keep(self, batch: dict, lengths: torch.Tensor, kept: list[int]) -> None:
+        """After a forward: each row keeps its first `kept` new tokens (pending and accepted queries), the rest goes."""
+        if self.cache is None:
+            return
+        width = batch["ids"].shape[1]
+        kept_ends = [width - int(length) + count for length, count in zip(lengths.tolist(), kept)]
+        end = max(kept_ends)
+        keep = torch.arange(end, device=self.ranks.device) < torch.tensor(kept_ends, device=self.ranks.device)[:, None]
+        self.ranks = torch.cat([self.ranks, batch["ranks"][:, :end].masked_fill(~keep, NEVER)], dim=1)
+        self.groups = torch.cat([self.groups, batch["groups"][:, :end]], dim=1)
+        self.cache.crop(end - width)
+
+
+class StaticLayout:
+    """Where the rows' tokens are in a `SlotCache`: row r's stored tokens at columns 0 .. pointer[r] - 1; a forward's
+    new tokens at pointer[r] onwards, its left padding after them. The batch keeps its rows (finished rows run as
+    padding), so shapes stay static."""
+
+    def __init__(self, cache: SlotCache, batch_size: int, device):
+        self.cache, self.pointers = cache, [0] * batch_size
+        self.columns = torch.arange(cache.max_cache_len, device=device)
+        self.groups = torch.full((batch_size, cache.max_cache_len), PADDING["groups"], device=device)
+
+    def batch_rows(self, live: list[int]) -> list[int]:
+        return list(range(len(self.pointers)))
+
+    def place(self, batch: dict, lengths: torch.Tensor):
+        width, device = batch["ids"].shape[1], self.columns.device
+        if max(self.pointers) + width > self.cache.max_cache_len:
+            raise RuntimeError(
+                f"The static cache ({self.cache.max_cache_len} columns) is too short for this forward: a row has "
+                f"{max(self.pointers)} stored tokens and {width} new ones. This is a bug in sizing the cache."
+            )
+        pointers = torch.tensor(self.pointers, device=device)
+        columns = pointers[:, None] + (torch.arange(width, device=device) + lengths[:, None]) % width
+        self.cache.columns = columns
+        self.groups.scatter_(1, columns, batch["groups"])
+        written = self.columns < (pointers + lengths)[:, None]
+        return columns, torch.where(written, self.columns, NEVER), self.groups
+
+    def keep(self, batch: dict, lengths: torch.Tensor, kept: list[int]) -> None:
+        self.pointers = [pointer + count for pointer, count in zip(self.pointers, kept)]
+
+
+def compiled_backbone(model, compile_config: CompileConfig):
+    """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model
+    and config: its graphs (one per width bucket and cache length) are reused by later `generate()` calls."""
+    compiled = getattr(model, "_refusion_compiled", None)
+    if compiled is None or compiled[0] != compile_config:
+        compiled = (
+            copy.deepcopy(compile_config),
+            torch.compile(model.get_decoder().__call__, **compile_config.to_dict()),
+        )
+        model._refusion_compiled = compiled
+    return compiled[1]
+
+
+def pad_width(width: int, compiled) -> int:
+    """The width a forward of `width` new tokens runs at: the nearest bucket when compiled (the widest run eagerly)."""
+    if compiled is None or width > WIDTH_BUCKETS[-1]:
+        return width
+    return next(bucket for bucket in WIDTH_BUCKETS if bucket >= width)
+
+
+def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
+    """The logits of each row's last `num_logits` tokens: through the `compiled` backbone (then the output layer)
+    when the batch's width is a bucket, else through the model eagerly."""
+    inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
+    if compiled is not None and batch["ids"].shape[1] in WIDTH_BUCKETS:
+        hidden = compiled(**inputs, use_cache=True).last_hidden_state
+        return model.get_output_embeddings()(hidden[:, -num_logits:])
+    return model(**inputs, use_cache=cache is not None, logits_to_keep=num_logits).logits
+
+
+def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None) -> int:
+    """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
+    whole sequence), through the `compiled` backbone where given. Returns the number of forwards."""
     device = decoders[0].device
     steps = [decoder.steps() for decoder in decoders]
     requests = [next(step, None) for step in steps]
-    alive = [row for row, request in enumerate(requests) if request is not None]
-    steps, requests = [steps[row] for row in alive], [requests[row] for row in alive]
-    cached_ranks = torch.zeros((len(steps), 0), dtype=torch.long, device=device)  # per row and cache column
-    cached_groups = torch.zeros_like(cached_ranks)
+    layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
+    layout = layout_type(cache, len(decoders), device)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
     forwards = 0
-    while steps:
+    while live := [row for row, request in enumerate(requests) if request is not None]:
+        rows = layout.batch_rows(live)
+        batch_requests = [requests[row] for row in rows]
+        lengths = torch.tensor([len(request) if request else 0 for request in batch_requests], device=device)
+        width = pad_width(int(max(len(request) for request in batch_requests if request)), compiled)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
-            name: pad_sequence([getattr(request, name) for request in requests], True, value, padding_side="left")
+            name: pad_sequence(
+                [getattr(request, name) if request else empty for request in batch_requests]
+                + [empty.new_full((width,), value)],  # pads every row to `width`; dropped below
+                True, value, padding_side="left",
+            )[:-1]
             for name, value in PADDING.items()
-        }
-        width, past = batch["ids"].shape[1], cached_ranks.shape[1]
+        }  # fmt: skip
+        columns, key_ranks, key_groups = layout.place(batch, lengths)
         mask = attention_mask(
-            torch.cat([cached_ranks, batch["ranks"]], dim=1),
-            torch.cat([cached_groups, batch["groups"]], dim=1),
-            batch["ranks"], batch["prefixes"], batch["groups"], batch["parents"], past, model.dtype,
+            key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], batch["parents"], columns,
+            model.dtype,
         )  # fmt: skip
-        logits = model(
-            input_ids=batch["ids"],
-            position_ids=batch["positions"],
-            attention_mask=mask,
-            cache=cache,
-            use_cache=cache is not None,
-            logits_to_keep=max(request.num_queries for request in requests),
-        ).logits
+        num_logits = max(request.num_queries for request in batch_requests if request)
+        logits = run_model(model, compiled, batch, mask, cache, num_logits)
         forwards += 1
-        replies, kept_ends = [], []
-        for row, (step, request) in enumerate(zip(steps, requests)):
-            reply, keep = next_request(step, logits[row, logits.shape[1] - request.num_queries :])
-            replies.append(reply)
-            kept_ends.append(width - request.num_queries + keep)
-        if cache is not None:  # pending tokens and the kept queries stay; the rest is cropped or hidden
-            kept = max(kept_ends)
-            keep = torch.arange(kept, device=device) < torch.tensor(kept_ends, device=device)[:, None]
-            cached_ranks = torch.cat([cached_ranks, batch["ranks"][:, :kept].masked_fill(~keep, NEVER)], dim=1)
-            cached_groups = torch.cat([cached_groups, batch["groups"][:, :kept]], dim=1)
-            cache.crop(kept - width)
-        alive = [row for row, reply in enumerate(replies) if reply is not None]
-        if len(alive) < len(steps) and alive and cache is not None:
-            cache.batch_select_indices(torch.tensor(alive, device=device))
-            cached_ranks, cached_groups = cached_ranks[alive], cached_groups[alive]
-        steps, requests = [steps[row] for row in alive], [replies[row] for row in alive]
+        kept = []
+        for position, (row, request) in enumerate(zip(rows, batch_requests)):
+            if request is None:
+                kept.append(0)
+                continue
+            reply, keep = next_request(steps[row], logits[position, num_logits - request.num_queries :])
+            requests[row] = reply
+            kept.append(len(request) - request.num_queries + keep)
+        layout.keep(batch, lengths, kept)
     return forwards
 
 
@@ -1117,6 +1286,37 @@ def stopping_criteria_for(config: GenerationConfig, stopping_criteria, tokenizer
     if config.max_time is not None:
         criteria.append(MaxTimeCriteria(max_time=config.max_time))
     return criteria
+
+
+def static_cache_columns(prompt_length: int, max_new_tokens: int, slot_size: int, block_length: int) -> int:
+    """Columns a static cache needs for prompts of up to `prompt_length` tokens: each row stores its prompt and
+    answer (whole slots) once, and a forward's new tokens (the prompt and a block's plan at first, then at most a
+    block's fresh tokens, `[MASK]` queries and drafts plus the tokens committed since the last forward) go after
+    them, padded up to a width bucket."""
+    answer = -(-max_new_tokens // slot_size) * slot_size
+    widest = max(4 * block_length, WIDTH_BUCKETS[-1])
+    return max(prompt_length + block_length, prompt_length + answer + widest)
+
+
+def compile_forwards(model, compile_config: CompileConfig, batch_size: int, max_cache_len: int) -> None:
+    """Compile the forward of every width bucket now, over the static cache for `batch_size` rows and
+    `max_cache_len` columns (`static_cache_columns`), so that later `generate(cache_implementation="static",
+    compile_config=compile_config)` calls of that batch size whose cache fits compile nothing. The forwards run on
+    padding: what they write, the mask of a decode hides."""
+    cache = slot_cache(model, batch_size, max_cache_len)
+    compiled = compiled_backbone(model, compile_config)
+    layout = StaticLayout(cache, batch_size, model.device)
+    with torch.no_grad():
+        for width in WIDTH_BUCKETS:
+            batch = {
+                name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
+                for name, value in PADDING.items()
+            }
+            lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)
+            columns, key_ranks, key_groups = layout.place(batch, lengths)
+            mask = attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"],
+                                  batch["parents"], columns, model.dtype)  # fmt: skip
+            run_model(model, compiled, batch, mask, cache, 1)
 
 
 def refusion_generate(
@@ -1173,10 +1373,18 @@ def refusion_generate(
         decoders.append(SlotDecoder(prompt, settings, processors, watcher))
 
     with torch.no_grad():
-        if settings.use_cache:
-            forwards = execute(model, decoders, DynamicCache())
-        else:
+        if not settings.use_cache:
             forwards = sum(execute(model, [decoder], None) for decoder in decoders)
+        elif settings.cache_implementation == "static":
+            prompt_length = max(decoder.prompt.shape[0] for decoder in decoders)
+            needed = static_cache_columns(
+                prompt_length, settings.max_new_tokens, settings.slot_size, settings.block_length
+            )
+            cache = slot_cache(model, len(decoders), needed)
+            compiled = compiled_backbone(model, settings.compile_config) if settings.compile_config else None
+            forwards = execute(model, decoders, cache, compiled)
+        else:
+            forwards = execute(model, decoders, DynamicCache())
     if streamer is not None:
         decoders[0].watcher.end()
     ends = [decoder.answer_length() for decoder in decoders]

@@ -39,7 +39,15 @@ import torch
 
 from benchmarks.settings import WHOLE_SLOTS, generation_config, setting, shipped
 from generation_refusion import DECODING_FIELDS
-from recipe.decoding import DecodeRun, compile_mode, decode, decode_compiled_ar
+from recipe.decoding import (
+    DecodeRun,
+    compile_mode,
+    compile_refusion,
+    compiled_graphs,
+    compiled_refusion,
+    decode,
+    decode_compiled_ar,
+)
 from recipe.evaluate import Evaluation, fastest, speed
 from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
 from recipe.report import cell, write_results
@@ -167,7 +175,8 @@ def markdown(results: dict) -> str:
 
 
 def compiled_note(results: dict) -> str:
-    """What the compiled AR rows are, and what compiling them cost once (nothing for a run without them)."""
+    """What the compiled rows (AR, and ReFusion's with `--refusion_compiled`) are, and what compiling them cost once
+    (nothing for a run without them)."""
     compiled = [row for row in results["rows"] if row.get("compile_seconds") is not None]
     if not compiled:
         return ""
@@ -176,8 +185,9 @@ def compiled_note(results: dict) -> str:
     return (
         f' Compiled AR: transformers\' generate(cache_implementation="static", compile_config=CompileConfig(mode='
         f'"{results["ar_compile_mode"]}")), compiled on every device; one-off compile (the warm-up before the '
-        f"first timed run): {costs}; graphs compiled after the warm-ups: {recompiles}. Their forwards are not timed "
-        "apart ('outside forwards': -)."
+        f"first timed run): {costs}; graphs compiled after the warm-ups: {recompiles}. Compiled ReFusion: "
+        'generate(cache_implementation="static", compile_config=...) in the same mode: forwards padded to width '
+        "buckets over ReFusion's static cache. Compiled forwards are not timed apart ('outside forwards': -)."
     )
 
 
@@ -284,6 +294,12 @@ def main() -> None:
         "--ar_compile_mode", default=None, help="torch.compile mode of --ar_compiled (default: by device)"
     )
     parser.add_argument(
+        "--refusion_compiled",
+        action="store_true",
+        help="also decode each setting with compiled forwards over ReFusion's static cache (compiling its width "
+        "buckets once: minutes on a 2-core CPU, less with inductor's disk cache warm), in --ar_compile_mode",
+    )
+    parser.add_argument(
         "--no_kernels", action="store_true", help="ReFusion without the policy's prepacked oneDNN linear layers"
     )
     parser.add_argument(
@@ -351,8 +367,19 @@ def main() -> None:
     for name in args.settings:
         kind = "tokens" if GRID[name]["slot_size"] == 1 else "slots"
         rows.append(scored(name, kind, evaluation.timed(model, refusion_tokenizer, generation_config=configs[name])))
+    if args.refusion_compiled:  # each setting again, through compiled forwards over the static cache
+        options = dict(compiled_refusion(args.device, args.ar_compile_mode), time_forwards=False)
+        for name in args.settings:
+            kind = "tokens" if GRID[name]["slot_size"] == 1 else "slots"
+            config = configs[name]  # warm-up: every width bucket compiled, then one decode's other one-off costs
+            warm_up = compile_refusion(model, prompt_ids, max_new_tokens, options["compile_config"], 1, config)
+            decode(model, refusion_tokenizer, prompt_ids[:1], 8, generation_config=config, **options)
+            graphs = compiled_graphs()
+            run = evaluation.timed(model, refusion_tokenizer, generation_config=configs[name], **options)
+            rows.append(row := scored(f"{name}, compiled", kind, run))
+            row |= {"compiled": True, "compile_seconds": warm_up, "recompiles": compiled_graphs() - graphs}
     fastest_ar = against_fastest_ar(rows)
-    chosen, reason = choose_setting(rows, converted_row)
+    chosen, reason = choose_setting([row for row in rows if not row.get("compiled")], converted_row)
     if args.batch8:
         rows.append(evaluation.ar_row_at(8))
         run = evaluation.timed(model, refusion_tokenizer, batch_size=8, generation_config=configs[chosen])

@@ -10,13 +10,18 @@ transformers user gets on many machines: it compiles once (reported as `compile_
 counts the graphs compiled during it (`recompiles`: 0 when one static cache length serves every prompt).
 """
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 
 import torch
-from transformers import CompileConfig, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, GenerationConfig, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+
+import generation_refusion
+from generation_refusion import DECODING_DEFAULTS
 
 SOURCES = ("plan", "redraft")  # rows of the decoder's acceptance counts
 
@@ -213,6 +218,52 @@ def compile_mode(device: str | torch.device) -> str:
     """The torch.compile mode of compiled AR decoding on `device`: CUDA graphs on CUDA ("reduce-overhead",
     transformers' default), elsewhere inductor with its GEMM templates tried and timed, without CUDA graphs."""
     return "reduce-overhead" if torch.device(device).type == "cuda" else "max-autotune-no-cudagraphs"
+
+
+def compiled_refusion(device: str | torch.device, mode: str | None = None) -> dict:
+    """The `generate()` options that decode ReFusion with compiled forwards over its static cache on `device`, in
+    `mode` (default: `compile_mode`): transformers' `cache_implementation="static"` and a `compile_config` that
+    compiles on every device (transformers, and ReFusion's decoder with it, compile only on CUDA otherwise)."""
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=mode or compile_mode(device))
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def decoder_module(model: PreTrainedModel) -> ModuleType:
+    """The module of the ReFusion decoder `model.generate()` runs: a loaded folder's `custom_generate/generate.py`
+    (transformers binds its `generate` to the instance), the `generation_refusion` a remote-code model class imports,
+    or this package's. Its static cache and compiled forwards are the ones `generate()` reuses."""
+    generate = model.generate
+    function = (
+        generate.func
+        if isinstance(generate, partial)
+        else getattr(sys.modules[type(model).__module__], "slot_generate", None)
+    )
+    return sys.modules[function.__module__] if function is not None else generation_refusion
+
+
+def compile_refusion(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    compile_config: CompileConfig,
+    batch_size: int = 1,
+    generation_config: GenerationConfig | None = None,
+) -> float:
+    """Compile ReFusion's forwards for decoding `prompts` in batches of `batch_size` (every width bucket, over a static
+    cache long enough for the longest prompt, with the slot and block sizes of `generation_config`, the model's by
+    default), so that the timed decode compiles nothing; returns the seconds it took (the one-off compile time)."""
+    decoder = decoder_module(model)
+    config = generation_config or model.generation_config
+    slot_size = getattr(config, "slot_size", None) or DECODING_DEFAULTS["slot_size"]
+    block_length = getattr(config, "block_length", None) or DECODING_DEFAULTS["block_length"]
+    block_length = -(-block_length // slot_size) * slot_size
+    columns = decoder.static_cache_columns(max(map(len, prompts)), max_new_tokens, slot_size, block_length)
+    synchronize(model.device)
+    started = time.perf_counter()
+    decoder.compile_forwards(model, compile_config, min(batch_size, len(prompts)), columns)
+    synchronize(model.device)
+    return time.perf_counter() - started
 
 
 def static_cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, as one run of about 8 minutes: install this package, run the CUDA tests (cached
-# == recomputed, batched == alone, bfloat16 decoding, a bitsandbytes QLoRA step), then price a forward of the
-# shipped model by width and dtype and run its quality-speed benchmark in bfloat16 (AR and ReFusion). Everything
+# The checks that need a CUDA GPU, as one run of about 10 minutes: install this package, run the CUDA tests (cached
+# == recomputed, batched == alone, bfloat16 decoding, the static cache under CUDA graphs, a bitsandbytes QLoRA step),
+# then price a forward of the shipped model by width and dtype and run its quality-speed benchmark in bfloat16 (eager
+# and compiled AR, eager ReFusion and ReFusion compiled with CUDA graphs over its static cache). Everything
 # lands in one folder: $OUT when set (the device tool's), else device-results/.
 #
 #   bash scripts/device_check.sh                 # a GPU machine with PyPI: keeps the machine's CUDA torch
@@ -31,6 +32,6 @@ timeout 240 "$python" -m pytest -q -rs tests/test_cuda.py tests/test_dtype_polic
     || status=1
 timeout 120 "$python" -m benchmarks.forward_cost --device cuda --dtypes bfloat16 float32 \
     --widths 1 2 4 8 16 32 64 128 --output_dir "$out" 2>&1 | tee "$out/forward_cost.log" || status=1
-timeout 180 "$python" -m benchmarks.quality_speed --device cuda --dtype bfloat16 --prompts 16 \
-    --settings "shipped default" "fused redraft" --output_dir "$out" 2>&1 | tee "$out/quality_speed.log" || status=1
+timeout 300 "$python" -m benchmarks.quality_speed --device cuda --dtype bfloat16 --prompts 16 \
+    --settings "shipped default" "fused redraft" --ar_compiled bfloat16 --refusion_compiled --output_dir "$out" 2>&1 | tee "$out/quality_speed.log" || status=1
 exit "$status"

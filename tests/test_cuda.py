@@ -37,6 +37,21 @@ def test_batched_decoding_equals_each_prompt_alone_on_cuda(model):
         assert torch.equal(batched[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
 
 
+def test_static_cache_with_cuda_graphs_gives_the_same_tokens_and_compiles_once(model):
+    """On CUDA a static cache compiles the forwards by default (transformers' rule), with CUDA graphs."""
+    settings = dict(max_new_tokens=16, block_length=8, fused_redraft=True, **SETTINGS)
+    prompts = [PROMPT.to("cuda"), torch.tensor([[11, 12, 13]], device="cuda")]
+    dynamic = [model.generate(prompt, **settings) for prompt in prompts]
+    assert torch.equal(model.generate(prompts[0], cache_implementation="static", **settings), dynamic[0])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 1  # the forwards were compiled
+    for prompt, expected in zip(prompts, dynamic):
+        assert torch.equal(model.generate(prompt, cache_implementation="static", **settings), expected)
+    eager = model.generate(prompts[0], cache_implementation="static", disable_compile=True, **settings)
+    assert torch.equal(eager, dynamic[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2  # widths the second prompt met first
+
+
 def test_bfloat16_decoding_on_cuda_is_well_formed():
     bf16 = sharpened_model("qwen3", scale=4.0).to("cuda", torch.bfloat16)
     sequences = bf16.generate(PROMPT.to("cuda"), max_new_tokens=21, **SETTINGS).cpu()

@@ -1,5 +1,6 @@
 """The benchmark's pieces: quality metrics, timed decoding (AR and ReFusion counted alike), tables and plot."""
 
+import copy
 import math
 from pathlib import Path
 
@@ -8,12 +9,24 @@ import torch
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
+import generation_refusion
 from benchmarks import decode as decode_benchmark
 from benchmarks import quality_speed
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion, save_refusion
 from generation_refusion import DECODING_FIELDS, check_decoding
-from recipe.decoding import DecodeRun, cut_answer, decode, decode_compiled_ar, static_cache_length, stop_token_ids
+from recipe.decoding import (
+    DecodeRun,
+    compile_refusion,
+    compiled_graphs,
+    compiled_refusion,
+    cut_answer,
+    decode,
+    decode_compiled_ar,
+    decoder_module,
+    static_cache_length,
+    stop_token_ids,
+)
 from recipe.evaluate import Evaluation
 from recipe.metrics import (
     answer_nll,
@@ -171,6 +184,33 @@ def test_decode_runs_the_refusion_decoder_a_native_export_carries(tmp_path):
     assert exported.answers == converted.answers
     assert exported.forwards == converted.forwards
     assert exported.acceptance is not None  # the ReFusion decoder's own record: not transformers' AR generate()
+    static = decode(native, tokenizer, prompts, max_new_tokens=12, cache_implementation="static", **settings)
+    assert static.answers == converted.answers  # the backbone class's decoder and output layer over the static cache
+
+
+def test_compile_refusion_compiles_the_forwards_the_loaded_decoder_then_reuses(tmp_path):
+    """The warm-up compiles every width bucket through the decoder module `generate()` runs (here a loaded folder's
+    `custom_generate/generate.py`, not this package's `generation_refusion`), so the timed decode compiles nothing."""
+    tokenizer = tiny_tokenizer()
+    backbone = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
+    model, tokenizer = convert_to_refusion(backbone, tokenizer)
+    folder = save_refusion(model, tokenizer, tmp_path / "refusion")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float64).eval()
+    module = decoder_module(loaded)
+    assert module is not generation_refusion and module.__name__.endswith("generate")
+    assert decoder_module(model) is generation_refusion
+    settings = dict(slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3)
+    prompts = prompt_token_ids(tokenizer, PROMPTS)
+    eager = decode(loaded, tokenizer, prompts, max_new_tokens=10, **settings)
+    options = compiled_refusion("cpu", mode="default")
+    config = copy.deepcopy(loaded.generation_config)
+    config.update(**settings)
+    graphs = compiled_graphs()
+    assert compile_refusion(loaded, prompts, 10, options["compile_config"], generation_config=config) > 0
+    assert compiled_graphs() - graphs == len(module.WIDTH_BUCKETS)
+    compiled = decode(loaded, tokenizer, prompts, max_new_tokens=10, time_forwards=False, **options, **settings)
+    assert compiled.answers == eager.answers
+    assert compiled_graphs() - graphs == len(module.WIDTH_BUCKETS)  # nothing compiled in the decode
 
 
 def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_them(tmp_path):

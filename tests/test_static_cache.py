@@ -1,0 +1,148 @@
+"""ReFusion decoding over a static KV cache (`cache_implementation="static"`), eager and compiled: the same tokens as
+the dynamic cache and as recomputing from scratch, the cache holding exactly the committed tokens, compiled forwards
+that compile a bounded set of graphs once."""
+
+import pytest
+import torch
+from test_batching import PROMPTS, left_padded
+from test_generation import PROMPT, sharpened_model
+from transformers import CompileConfig, DynamicCache, GenerationConfig
+
+from generation_refusion import (
+    WIDTH_BUCKETS,
+    SlotCache,
+    SlotDecoder,
+    attention_mask,
+    compile_config_for,
+    compile_forwards,
+    execute,
+    pad_width,
+    resolve_settings,
+    slot_cache,
+    static_cache_columns,
+)
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+SETTINGS = {  # each row of a batch ends at its own time with an EOS (set per test) or runs to max_new_tokens
+    "plain": dict(max_new_tokens=20, slot_size=4, slot_threshold=0.5, token_threshold=0.4),
+    "fused window": dict(
+        max_new_tokens=20, slot_size=8, block_length=16, slot_threshold=0.5, token_threshold=0.3,
+        fused_redraft=True, draft_window=2,
+    ),
+    "reference": dict(max_new_tokens=20, slot_size=4, slot_threshold=0.5, token_threshold=0.4, infill_mode="reference"),
+    "one-token slots": dict(max_new_tokens=9, slot_size=1, slot_threshold=0.5, token_threshold=0.4),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request):
+    return sharpened_model(request.param, scale=4.0)
+
+
+def answer_token(model, settings, offset: int) -> int:
+    """A token the first prompt's answer has at `offset`: as EOS it ends that row early (and others elsewhere)."""
+    free = model.generate(torch.tensor([PROMPTS[0]]), eos_token_id=[], pad_token_id=0, **settings)
+    return int(free[0, len(PROMPTS[0]) + offset])
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_static_equals_dynamic_equals_recomputed_batched_and_alone(model, name, with_eos):
+    settings = dict(SETTINGS[name], pad_token_id=0, return_dict_in_generate=True)
+    settings["eos_token_id"] = answer_token(model, SETTINGS[name], 5) if with_eos else []
+    ids, mask = left_padded(PROMPTS)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    dynamic = model.generate(ids, attention_mask=mask, **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.sequences, recomputed.sequences)
+    assert static.num_forward_passes == dynamic.num_forward_passes
+    lengths = []
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), cache_implementation="static", **settings).sequences
+        answer = alone[0, len(prompt) :]
+        lengths.append(answer.shape[0])
+        assert torch.equal(static.sequences[row, ids.shape[1] : ids.shape[1] + answer.shape[0]], answer)
+    if with_eos:  # rows finished at different times and ran on as padding rows of the static batch
+        assert min(lengths) < max(lengths) or max(lengths) < settings["max_new_tokens"]
+
+
+def test_the_static_cache_holds_exactly_the_committed_tokens_with_their_original_kv():
+    model = sharpened_model("qwen3", scale=4.0)
+    settings, _ = resolve_settings(model, None, PROMPT.shape[1], {"eos_token_id": [], "max_new_tokens": 24})
+    decoder = SlotDecoder(PROMPT[0], settings)
+    cache = SlotCache(model, 1, static_cache_columns(PROMPT.shape[1], 24, settings.slot_size, settings.block_length))
+    with torch.no_grad():
+        execute(model, [decoder], cache)
+    record = decoder.record
+    ids, positions, stored = record.ids, record.positions, record.computed
+    ranks = torch.arange(ids.shape[0])[None]
+    mask = attention_mask(ranks, record.groups[None], ranks, record.prefixes[None], record.groups[None],
+                          torch.full_like(ranks, -3), 0, model.dtype)  # fmt: skip
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=reference, use_cache=True)
+    for layer, expected in zip(cache.layers, reference.layers):  # columns 0 .. stored - 1: the stored tokens, in order
+        torch.testing.assert_close(layer.keys[:, :, :stored], expected.keys[:, :, :stored], rtol=0, atol=1e-10)
+        torch.testing.assert_close(layer.values[:, :, :stored], expected.values[:, :, :stored], rtol=0, atol=1e-10)
+
+
+def test_the_static_cache_is_reused_while_it_fits_and_replaced_when_it_does_not():
+    model = sharpened_model("llama", scale=4.0)
+    first = slot_cache(model, 2, 100)
+    assert first.max_cache_len % 128 == 0 and first.max_cache_len >= 100
+    assert slot_cache(model, 2, 90) is first  # shorter: same tensors, so compiled graphs see the same shapes
+    assert slot_cache(model, 1, 90) is not first  # another batch size
+    longer = slot_cache(model, 1, 300)
+    assert longer.max_cache_len >= 300 and longer.layers[0].keys.shape[2] == longer.max_cache_len
+    # a long prompt and answer: the cache sized for it decodes it exactly
+    prompt = torch.arange(5, 205)[None]
+    settings = dict(max_new_tokens=40, slot_size=4, block_length=8, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(
+        model.generate(prompt, cache_implementation="static", **settings), model.generate(prompt, **settings)
+    )
+
+
+def test_widths_pad_to_buckets_only_when_compiled():
+    assert pad_width(3, None) == 3
+    assert [pad_width(width, object()) for width in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
+    assert pad_width(WIDTH_BUCKETS[-1] + 1, object()) == WIDTH_BUCKETS[-1] + 1  # a prompt: runs eagerly as it is
+
+
+def compile_config(all_devices: bool = True) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    config._compile_all_devices = all_devices
+    return config
+
+
+def test_forwards_compile_by_transformers_rule():
+    model = sharpened_model("llama", scale=4.0)
+
+    def chosen(**options):
+        config = GenerationConfig(**{key: value for key, value in options.items() if key != "compile_config"})
+        config.compile_config = options.get("compile_config")
+        return compile_config_for(model, config, config.cache_implementation or "dynamic")
+
+    assert chosen(cache_implementation="static") is None  # a CPU compiles only when asked to
+    assert chosen(cache_implementation="static", compile_config=compile_config(False)) is None
+    assert chosen(cache_implementation="static", compile_config=compile_config()).mode == "default"
+    assert chosen(cache_implementation="static", compile_config=compile_config(), disable_compile=True) is None
+    assert chosen(compile_config=compile_config()) is None  # compiled forwards need the static cache
+    with pytest.raises(ValueError, match="cache_implementation.*'offloaded'"):
+        model.generate(PROMPT, max_new_tokens=4, cache_implementation="offloaded")
+
+
+def test_compiled_forwards_give_the_same_tokens_and_compile_once():
+    model = sharpened_model("qwen3", scale=4.0)
+    settings = dict(
+        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, fused_redraft=True,
+        eos_token_id=[], pad_token_id=0, cache_implementation="static", compile_config=compile_config(),
+    )  # fmt: skip
+    prompts = [PROMPT, torch.tensor([[11, 12, 13]]), torch.tensor([[20, 21, 22, 23, 24, 25, 26, 27, 28]])]
+    eager = [model.generate(prompt, **{**settings, "compile_config": None}) for prompt in prompts]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compile_forwards(model, settings["compile_config"], 1, static_cache_columns(9, 12, 4, 8))  # the longest prompt
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)  # one per width
+    for prompt, expected in zip(prompts, eager):  # prompts of other lengths over that cache: nothing recompiles
+        assert torch.equal(model.generate(prompt, **settings), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)
