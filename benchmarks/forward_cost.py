@@ -34,18 +34,35 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import DynamicCache, PreTrainedModel
+from transformers import CompileConfig, DynamicCache, PreTrainedModel, StaticCache
 
 from finetune.chat import prompt_token_ids
-from generation_refusion import attention_mask
+from generation_refusion import (
+    NO_GROUP,
+    WIDTH_BUCKETS,
+    SlotCache,
+    StaticLayout,
+    attention_mask,
+    compiled_backbone,
+    pad_width,
+    run_model,
+)
 from kernels_refusion import packing_plan, prepack_linears
-from recipe.decoding import decode, synchronize
+from recipe.decoding import compile_mode, decode, synchronize
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, with_adapter
 from recipe.report import write_results
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-CALLS = ("decoder", "causal", "decoder, prepacked", "causal, prepacked", "decoder, compiled", "causal, compiled")
+CALLS = (
+    "decoder",
+    "causal",
+    "decoder, prepacked",
+    "causal, prepacked",
+    "decoder, compiled",
+    "causal, compiled",
+    "decoder, static compiled",
+)
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
@@ -140,6 +157,65 @@ def prepacked_times(
     return decoder, causal
 
 
+@torch.no_grad()
+def static_compiled_times(
+    refusion: PreTrainedModel, ar: PreTrainedModel, cache_length: int, widths, repeats: int, mode: str
+) -> tuple[dict[int, float], float]:
+    """Median milliseconds of the forwards `generate(cache_implementation="static", compile_config=...)` runs:
+    ReFusion's compiled backbone over its static cache at each width (padded to its bucket as the decoder pads it;
+    a width past the widest bucket runs eagerly) plus the output layer for the `width` queries, and transformers'
+    compiled one-query AR step over its `StaticCache` (the compiled AR `generate()`'s step). Both after a cache of
+    `cache_length` random tokens, which every call sees again (the write pointers move back after each)."""
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
+    generator = torch.Generator().manual_seed(0)
+    vocab, device = refusion.config.get_text_config(decoder=True).vocab_size, refusion.device
+    cache = SlotCache(refusion, 1, cache_length + max(max(widths), WIDTH_BUCKETS[-1]))
+    layout, compiled = StaticLayout(cache, 1, device), compiled_backbone(refusion, config)
+
+    def causal_run(start: int, width: int) -> dict:
+        ranks = torch.arange(start, start + width, device=device)[None]
+        ids = torch.randint(0, vocab, (1, width), generator=generator).to(device)
+        return dict(ids=ids, positions=ranks, ranks=ranks, prefixes=ranks, groups=torch.zeros_like(ranks),
+                    parents=torch.full_like(ranks, NO_GROUP))  # fmt: skip
+
+    def refusion_call(width: int, run_with=compiled) -> None:
+        batch = causal_run(layout.pointers[0], pad_width(width, run_with))
+        lengths = torch.tensor([batch["ids"].shape[1]], device=device)
+        columns, key_ranks, key_groups = layout.place(batch, lengths)
+        mask = attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"],
+                              batch["parents"], columns, refusion.dtype)  # fmt: skip
+        run_model(refusion, run_with, batch, mask, cache, width)
+
+    refusion_call(cache_length, run_with=None)  # the cached past, computed eagerly
+    layout.keep(None, None, [cache_length])
+    times = {width: timed(lambda width=width: refusion_call(width), repeats, device) for width in widths}
+
+    ar_cache = StaticCache(config=ar.config, max_cache_len=cache_length + 1)
+    prompt = torch.randint(0, vocab, (1, cache_length), generator=generator).to(device)
+    ar(input_ids=prompt, cache=ar_cache, use_cache=True)
+    ar_step = torch.compile(ar.__call__, **config.to_dict())
+    token, position = prompt[:, -1:], torch.tensor([[cache_length]], device=device)
+
+    def ar_call() -> None:
+        ar_step(input_ids=token, position_ids=position, cache=ar_cache, use_cache=True, logits_to_keep=1)
+        ar_cache.crop(-1)
+
+    return times, timed(ar_call, repeats, device)
+
+
+def timed(call, repeats: int, device: torch.device) -> float:
+    """Median milliseconds of `repeats` calls of `call`, after one untimed call (first-call costs, compilation)."""
+    call()
+    samples = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        call()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return 1000 * statistics.median(samples)
+
+
 def mean_price(curve: dict[int, float], mix: Counter) -> float:
     """Mean milliseconds of a forward of the decode `mix` priced on `curve`."""
     return sum(count * price_at(curve, width) for width, count in mix.items()) / sum(mix.values())
@@ -212,6 +288,12 @@ def markdown(results: dict) -> str:
                 f"| {dtype}, prepacked (AR: the faster 1-query causal call) | {packed['ar_ms']:.0f} | "
                 f"{packed['refusion_mean_ms']:.0f} | {packed['price_ratio']:.2f} |"
             )
+        if "static compiled" in entry:
+            static = entry["static compiled"]
+            lines.append(
+                f"| {dtype}, static compiled (AR: transformers' compiled static-cache step) | {static['ar_ms']:.0f} | "
+                f"{static['refusion_mean_ms']:.0f} | {static['price_ratio']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -256,6 +338,12 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd forwards (dynamic shapes)")
+    parser.add_argument(
+        "--static_compiled",
+        action="store_true",
+        help="also time the compiled forwards of generate(cache_implementation='static'): ReFusion's over its static "
+        "cache at its width buckets, and transformers' compiled one-query AR step (compiles a few graphs)",
+    )
     parser.add_argument("--dtype", default=None, help="of the decode mix; default: bfloat16 where native, else float32")
     parser.add_argument("--output_dir", required=True, help="where forward_cost.json, .md and .png go (overwritten)")
     args = parser.parse_args()
@@ -313,6 +401,14 @@ def main() -> None:
             entry["decoder, compiled"] = {str(w): t for w, t in decoder.items()}
             entry["causal, compiled"] = {str(w): t for w, t in causal.items()}
             entry["recompilations"] = decoder_recompiled + causal_recompiled
+        if args.static_compiled:
+            decoder, ar_ms = static_compiled_times(refusion, ar, args.cache, args.widths, args.repeats,
+                                                   compile_mode(device))  # fmt: skip
+            entry["decoder, static compiled"] = {str(w): t for w, t in decoder.items()}
+            refusion_mean = mean_price(decoder, mix)
+            entry["static compiled"] = dict(
+                ar_ms=ar_ms, refusion_mean_ms=refusion_mean, price_ratio=refusion_mean / ar_ms
+            )
         results["dtypes"][name] = entry
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(entry)}", flush=True)
         del refusion, ar

@@ -123,7 +123,7 @@ def test_context_dependent_processors_equal_between_cache_recomputation_and_batc
         {"output_logits": True},
         {"output_attentions": True},
         {"output_hidden_states": True},
-        {"cache_implementation": "static"},
+        {"cache_implementation": "offloaded"},
         {"prompt_lookup_num_tokens": 3},
         {"token_healing": True},
         {"encoder_repetition_penalty": 1.2},
