@@ -1142,17 +1142,18 @@ class CacheLayout:
         self.rows = live
         return live
 
-    def place(self, batch: dict, lengths: torch.Tensor):
-        """Cache columns of the batch's new tokens, and the rank and group of every key they attend to."""
+    def place(self, batch: dict, sizes: list[int]):
+        """Cache columns of the batch's new tokens (`sizes` per row, before left padding), and the rank and group of
+        every key they attend to."""
         past = self.ranks.shape[1]
         return past, torch.cat([self.ranks, batch["ranks"]], dim=1), torch.cat([self.groups, batch["groups"]], dim=1)
 
-    def keep(self, batch: dict, lengths: torch.Tensor, kept: list[int]) -> None:
+    def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
         """After a forward: each row keeps its first `kept` new tokens (pending and accepted queries), the rest goes."""
         if self.cache is None:
             return
         width = batch["ids"].shape[1]
-        kept_ends = [width - int(length) + count for length, count in zip(lengths.tolist(), kept)]
+        kept_ends = [width - size + count for size, count in zip(sizes, kept)]
         end = max(kept_ends)
         keep = torch.arange(end, device=self.ranks.device) < torch.tensor(kept_ends, device=self.ranks.device)[:, None]
         self.ranks = torch.cat([self.ranks, batch["ranks"][:, :end].masked_fill(~keep, NEVER)], dim=1)
@@ -1173,22 +1174,29 @@ class StaticLayout:
     def batch_rows(self, live: list[int]) -> list[int]:
         return list(range(len(self.pointers)))
 
-    def place(self, batch: dict, lengths: torch.Tensor):
+    def place(self, batch: dict, sizes: list[int]):
         width, device = batch["ids"].shape[1], self.columns.device
         if max(self.pointers) + width > self.cache.max_cache_len:
             raise RuntimeError(
                 f"The static cache ({self.cache.max_cache_len} columns) is too short for this forward: a row has "
                 f"{max(self.pointers)} stored tokens and {width} new ones. This is a bug in sizing the cache."
             )
-        pointers = torch.tensor(self.pointers, device=device)
+        pointers, lengths = torch.tensor([self.pointers, sizes], device=device)
         columns = pointers[:, None] + (torch.arange(width, device=device) + lengths[:, None]) % width
         self.cache.columns = columns
         self.groups.scatter_(1, columns, batch["groups"])
         written = self.columns < (pointers + lengths)[:, None]
         return columns, torch.where(written, self.columns, NEVER), self.groups
 
-    def keep(self, batch: dict, lengths: torch.Tensor, kept: list[int]) -> None:
+    def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
         self.pointers = [pointer + count for pointer, count in zip(self.pointers, kept)]
+
+
+def batch_mask(layout: CacheLayout | StaticLayout, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
+    """The attention mask of a padded `batch` whose rows bring `sizes` new tokens, placed in the cache by `layout`."""
+    columns, key_ranks, key_groups = layout.place(batch, sizes)
+    return attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], batch["parents"],
+                          columns, dtype)  # fmt: skip
 
 
 def compiled_backbone(model, compile_config: CompileConfig):
@@ -1236,8 +1244,8 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
     while live := [row for row, request in enumerate(requests) if request is not None]:
         rows = layout.batch_rows(live)
         batch_requests = [requests[row] for row in rows]
-        lengths = torch.tensor([len(request) if request else 0 for request in batch_requests], device=device)
-        width = pad_width(int(max(len(request) for request in batch_requests if request)), compiled)
+        sizes = [len(request) if request else 0 for request in batch_requests]
+        width = pad_width(max(sizes), compiled)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
             name: pad_sequence(
@@ -1247,11 +1255,7 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
             )[:-1]
             for name, value in PADDING.items()
         }  # fmt: skip
-        columns, key_ranks, key_groups = layout.place(batch, lengths)
-        mask = attention_mask(
-            key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], batch["parents"], columns,
-            model.dtype,
-        )  # fmt: skip
+        mask = batch_mask(layout, batch, sizes, model.dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
         logits = run_model(model, compiled, batch, mask, cache, num_logits)
         forwards += 1
@@ -1263,7 +1267,7 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
             reply, keep = next_request(steps[row], logits[position, num_logits - request.num_queries :])
             requests[row] = reply
             kept.append(len(request) - request.num_queries + keep)
-        layout.keep(batch, lengths, kept)
+        layout.keep(batch, sizes, kept)
     return forwards
 
 
@@ -1314,11 +1318,7 @@ def compile_forwards(model, compile_config: CompileConfig, batch_size: int, max_
                 name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
                 for name, value in PADDING.items()
             }
-            lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)
-            columns, key_ranks, key_groups = layout.place(batch, lengths)
-            mask = attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"],
-                                  batch["parents"], columns, model.dtype)  # fmt: skip
-            run_model(model, compiled, batch, mask, cache, 1)
+            run_model(model, compiled, batch, batch_mask(layout, batch, [0] * batch_size, model.dtype), cache, 1)
 
 
 def refusion_generate(

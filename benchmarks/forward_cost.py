@@ -33,7 +33,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache, PreTrainedModel, StaticCache
 
 from finetune.chat import prompt_token_ids
@@ -43,12 +42,13 @@ from generation_refusion import (
     SlotCache,
     StaticLayout,
     attention_mask,
+    batch_mask,
     compiled_backbone,
     pad_width,
     run_model,
 )
 from kernels_refusion import packing_plan, prepack_linears
-from recipe.decoding import compile_mode, decode, synchronize
+from recipe.decoding import compile_mode, compiled_graphs, decode, synchronize
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, with_adapter
 from recipe.report import write_results
@@ -100,11 +100,6 @@ def causal_forward(model: PreTrainedModel, cache: DynamicCache, ids: torch.Tenso
     past, width = cache.get_seq_length(), ids.shape[1]
     mask = torch.ones(1, past + width, dtype=torch.long, device=ids.device)
     model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=width)
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has built so far in this process."""
-    return counters["stats"]["unique_graphs"]
 
 
 @torch.no_grad()
@@ -180,10 +175,7 @@ def static_compiled_times(
 
     def refusion_call(width: int, run_with=compiled) -> None:
         batch = causal_run(layout.pointers[0], pad_width(width, run_with))
-        lengths = torch.tensor([batch["ids"].shape[1]], device=device)
-        columns, key_ranks, key_groups = layout.place(batch, lengths)
-        mask = attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"],
-                              batch["parents"], columns, refusion.dtype)  # fmt: skip
+        mask = batch_mask(layout, batch, [batch["ids"].shape[1]], refusion.dtype)
         run_model(refusion, run_with, batch, mask, cache, width)
 
     refusion_call(cache_length, run_with=None)  # the cached past, computed eagerly
