@@ -36,8 +36,14 @@ token: `model.generate(input_ids, custom_generate="<folder or Hub repo>", trust_
 """
 
 import copy
+import hashlib
+import json
+import math
+import os
+import platform
 import shutil
 import textwrap
+import time
 from dataclasses import dataclass, make_dataclass
 from pathlib import Path
 
@@ -53,7 +59,9 @@ from transformers import (
 )
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.generation import logits_process as lp
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
+
+logger = logging.get_logger(__name__)
 
 # Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and whose mask
 # builder passes a prepared 4D mask through untouched; attention implementations that keep storage order with
@@ -92,6 +100,11 @@ CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=
 # a bounded number of graphs. Wider forwards (a prompt, a long plan) run eagerly over the same static cache.
 WIDTH_BUCKETS = (8, 16, 32, 64)
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
+# `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
+# naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
+# empty: keep none).
+PRICE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+PRICE_CACHE_VARIABLE = "REFUSION_PRICE_CACHE"
 # Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
 CONTEXT_FREE = (
     lp.TemperatureLogitsWarper,
@@ -131,6 +144,7 @@ class RefusionGenerateOutput(ModelOutput):
 
 # ---- decoding settings: one table --------------------------------------------------------------------------------
 INFILL_MODES = ("fast", "reference")
+DRAFT_SCHEDULES = ("fixed", "price")
 _NO_OFF = object()  # the off value of a setting that cannot be turned off
 
 
@@ -150,12 +164,13 @@ class DecodingSetting:
     choices: tuple = ()
     optional: bool = False  # None is a value of its own, meaning "off"
     rules: tuple[str, ...] = INFILL_MODES  # the infill modes it applies to
+    neutral: object = _NO_OFF  # the choice that leaves it out, for a setting of choices that some rule ignores
 
     @property
     def off(self):
         """The value that leaves the option out: what an explicit None means, and what the option becomes under a
         rule it does not apply to. Settings that every rule reads have none."""
-        return None if self.optional else False if self.kind is bool else _NO_OFF
+        return None if self.optional else False if self.kind is bool else self.neutral
 
     def values(self) -> str:
         """The values it takes, in words."""
@@ -234,6 +249,12 @@ DECODING_SETTINGS = (
     DecodingSetting(
         "draft_window", None, int, "At most this many drafts of a slot go into one forward; None checks whole "
         "slots.", low=1, optional=True, rules=("fast",),
+    ),
+    DecodingSetting(
+        "draft_schedule", "fixed", str, "`fixed`: every forward takes `draft_window` drafts of a slot; `price`: "
+        "each forward takes the number (0 up to `draft_window`) that maximises expected tokens per second, from "
+        "the price of a forward of each width on this machine (`forward_prices`) and the acceptance seen so far.",
+        choices=DRAFT_SCHEDULES, rules=("fast",), neutral="fixed",
     ),
 )  # fmt: skip
 SETTING = {setting.name: setting for setting in DECODING_SETTINGS}
@@ -327,6 +348,7 @@ DecodingSettings = make_dataclass(
         ("use_cache", bool),
         ("cache_implementation", str),
         ("compile_config", CompileConfig | None),  # compiled forwards over the static cache when set
+        ("forward_prices", dict | None),  # `draft_schedule="price"`: the caller's {width: price}, checked
     ],
     frozen=True,
 )
@@ -342,6 +364,7 @@ def resolve_settings(
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     passed = {name: value for name, value in kwargs.items() if name in SETTING}
     configured = {name: getattr(config, name, None) for name in DECODING_FIELDS}
+    forward_prices = kwargs.pop("forward_prices", getattr(config, "forward_prices", None))
     unused = config.update(**{name: value for name, value in kwargs.items() if name not in SETTING})
     for name, value in unused.items():
         if name != "mask_token_id":
@@ -351,6 +374,8 @@ def resolve_settings(
         if value not in neutral:
             raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}.")
     decoding = check_decoding(passed, configured)
+    if forward_prices is not None:
+        forward_prices = check_forward_prices(forward_prices)
     cache_implementation = config.cache_implementation or "dynamic"
     if cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(
@@ -395,6 +420,7 @@ def resolve_settings(
         use_cache=config.use_cache is not False,  # None (unset) means the cache is used, as in generate()
         cache_implementation=cache_implementation,
         compile_config=compile_config_for(model, config, cache_implementation),
+        forward_prices=forward_prices,
     )
     return settings, config
 
@@ -561,6 +587,66 @@ def accept_reference(counts: torch.Tensor, ar_probability: torch.Tensor, thresho
     return accepted_lengths((offsets <= counts[:, None]) | passes(ar_probability, threshold))
 
 
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a slot gains from a check of its first open position and `drafts` drafts after it, when each passes
+    with probability `rate` given the ones before it: the first always yields one (its draft or the model's own
+    token), each later one when every draft before it passed."""
+    return sum(rate**step for step in range(drafts + 1))
+
+
+def best_window(price, rate: float, widths: list[int], free: float = 0.0) -> int:
+    """The number of drafts k per slot that maximises expected tokens per price: `widths[k]` is the forward's width
+    when every slot takes k drafts, `price(width)` what such a forward costs, and a slot earns `free` plus
+    `expected_tokens(rate, k)`. The fewest drafts win a tie."""
+    values = [(free + expected_tokens(rate, k)) / price(width) for k, width in enumerate(widths)]
+    return max(range(len(values)), key=lambda k: (values[k], -k))
+
+
+def check_forward_prices(table) -> dict[int, float]:
+    """`forward_prices` as `{width: price}`, sorted by width and checked: positive integer widths (a JSON file's
+    digit strings too) to positive finite prices (seconds, or any unit they all share)."""
+
+    def refuse(problem: str):
+        raise ValueError(
+            f"forward_prices must map forward widths (new tokens per row) to positive prices, e.g. "
+            f"{{1: 0.034, 8: 0.055}}: {problem}."
+        )
+
+    if not isinstance(table, dict) or not table:
+        refuse(f"got {table!r}")
+    checked = {}
+    for key, price in table.items():
+        digits = isinstance(key, str) and key.isdigit()
+        if not (digits or isinstance(key, int) and not isinstance(key, bool)) or int(key) < 1:
+            refuse(f"width {key!r} is not a positive integer")
+        if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 < price < math.inf:
+            refuse(f"the price of width {key!r} ({price!r}) is not a positive finite number")
+        checked[int(key)] = float(price)
+    return dict(sorted(checked.items()))
+
+
+class ForwardPrices:
+    """What a forward of `width` new tokens per row costs, from a table of measured widths: interpolated linearly
+    between them, the narrowest's price below it, prorated past the widest. With `compiled`, widths are first
+    padded to their width bucket, as the forward runs."""
+
+    def __init__(self, table: dict[int, float], compiled: bool = False):
+        self.table, self.compiled = check_forward_prices(table), compiled
+        self.widths = list(self.table)
+
+    def __call__(self, width: int) -> float:
+        if self.compiled and width <= WIDTH_BUCKETS[-1]:
+            width = next(bucket for bucket in WIDTH_BUCKETS if bucket >= width)
+        widths, table = self.widths, self.table
+        if width <= widths[0]:
+            return table[widths[0]]
+        if width >= widths[-1]:
+            return table[widths[-1]] * width / widths[-1]
+        above = next(index for index, known in enumerate(widths) if known >= width)
+        low, high = widths[above - 1], widths[above]
+        return table[low] + (table[high] - table[low]) * (width - low) / (high - low)
+
+
 # ---- the passive record of one row ---------------------------------------------------------------------------------
 @dataclass
 class Queries:
@@ -694,6 +780,12 @@ class AcceptanceProfile:
         self.runs[source] += offered.any(dim=1).sum()
         self.forwards += 1
 
+    def rate(self, source: int) -> float:
+        """The share of `source`'s offered drafts that passed, with one pass and one failure counted in advance (so
+        0.5 before any check)."""
+        offered, accepted = torch.stack([self.offered[source].sum(), self.accepted[source].sum()]).tolist()
+        return (accepted + 1) / (offered + 2)
+
     @staticmethod
     def output_fields(profiles: list["AcceptanceProfile"]) -> dict:
         """The `RefusionGenerateOutput` fields of `profiles` summed over rows."""
@@ -741,8 +833,10 @@ class SlotDecoder:
 
     MASKED, INFILLING, DONE = range(3)
 
-    def __init__(self, prompt: torch.LongTensor, settings: DecodingSettings, processors=None, watcher=None):
-        self.settings, self.device = settings, prompt.device
+    def __init__(
+        self, prompt: torch.LongTensor, settings: DecodingSettings, processors=None, watcher=None, prices=None
+    ):
+        self.settings, self.device, self.prices = settings, prompt.device, prices  # prices: `draft_schedule="price"`
         self.processors, self.watcher = processors or lp.LogitsProcessorList(), watcher
         self.context_free = all(isinstance(processor, CONTEXT_FREE) for processor in self.processors)
         self.prompt = prompt
@@ -800,7 +894,7 @@ class SlotDecoder:
             leading = leading_complete(counts.tolist(), eos, size)
             self._commit_run(chosen[:leading], tokens[:leading], eos[:leading], computed=False)
             return None
-        width = min(self.settings.draft_window or size, size)  # leading tokens of each slot in the forward
+        width = self._verify_width(len(chosen))  # leading tokens of each slot in the forward
         logits = yield from self._forward(self._causal(tokens[:, :width].flatten(), index[:, :width].flatten()))
         until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
         scored = ((self.offsets > 0) & (self.offsets < until)).expand_as(tokens)
@@ -836,9 +930,10 @@ class SlotDecoder:
         """Complete the slots in parallel, one forward a round: `[fresh accepted tokens | MASK queries (fused) |
         drafts]`. Fresh tokens stay in the sequence (in their slot's group); the drafts are checked, the model's
         own token replaces the first rejected one, and the rest are redrafted from the same forward."""
-        fused = self.settings.fused_redraft
         while state is not None:
-            index, fresh, queried, checked, until = self._infill_layout(state)
+            window = self._infill_window(state)
+            fused = self.settings.fused_redraft and window > 0  # no drafts, nothing to redraft
+            index, fresh, queried, checked, until = self._infill_layout(state, window)
             parts = [self._grouped(state, index, fresh, state.tokens, state.groups)]
             if fused:
                 mask_groups = self._new_groups(len(state.slots))
@@ -1023,13 +1118,37 @@ class SlotDecoder:
         if self.watcher is not None and (stop := self.watcher.advance(self.answer, self.frontier())) is not None:
             self._stop_at(stop)
 
-    def _infill_layout(self, state: Infilling):
+    def _verify_width(self, slots: int) -> int:
+        """Leading tokens of each of `slots` chosen slots in the verify forward: `draft_window` (whole slots when
+        None), or under `draft_schedule="price"` the number up to it that earns most per price (the first token is
+        free: it always passes; each one in the forward scores the next)."""
+        size = self.settings.slot_size
+        cap = min(self.settings.draft_window or size, size)
+        if self.prices is None:
+            return cap
+        rate = self.profile.rate(AcceptanceProfile.PLAN)
+        return 1 + best_window(self.prices, rate, [slots * (drafts + 1) for drafts in range(cap)], free=1.0)
+
+    def _infill_window(self, state: Infilling) -> int:
+        """Drafts of each slot queried in the next infill round: `draft_window` (whole slots when None), or under
+        `draft_schedule="price"` the number up to it that earns most per price; with `fused_redraft` k drafts bring
+        k + 1 `[MASK]` queries (none when k is 0)."""
+        size = self.settings.slot_size
+        cap = min(self.settings.draft_window or size, size - 1)
+        if self.prices is None:
+            return self.settings.draft_window or size
+        fresh = int((state.counts - state.stored).sum())
+        masks = self.settings.fused_redraft
+        widths = [fresh + len(state.slots) * (k + (k + 1 if masks and k else 0)) for k in range(cap + 1)]
+        return best_window(self.prices, self.profile.rate(AcceptanceProfile.REDRAFT), widths)
+
+    def _infill_layout(self, state: Infilling, window: int):
         """Where the tokens of an infill round go: `fresh` accepted tokens not yet stored, drafts `queried` in the
         forward, and the positions `checked` by it (below `until`): the first draft by the last fresh token, each
-        later one by the draft before it. At most `draft_window` drafts are queried; the last position of a slot
-        scores nothing in it, so its draft is never queried."""
+        later one by the draft before it. At most `window` drafts are queried; the last position of a slot scores
+        nothing in it, so its draft is never queried."""
         index, size = self._slot_index(state.slots), self.settings.slot_size
-        until = (state.counts + (self.settings.draft_window or size) + 1).clamp(max=size)
+        until = (state.counts + window + 1).clamp(max=size)
         fresh = (self.offsets >= state.stored[:, None]) & (self.offsets < state.counts[:, None])
         checked = (self.offsets >= state.counts[:, None]) & (self.offsets < until[:, None])
         queried = checked & (self.offsets < until[:, None] - 1)
@@ -1112,10 +1231,15 @@ class SlotCache(Cache):
         )
 
 
+def cache_length(needed: int) -> int:
+    """`needed` columns rounded up to a multiple of `CACHE_LENGTH_MULTIPLE`."""
+    return -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
+
+
 def slot_cache(model, batch_size: int, needed: int) -> SlotCache:
     """A static cache of at least `needed` columns (rounded up to `CACHE_LENGTH_MULTIPLE`), the model's last one when
     it fits: compiled forwards then see the same cache tensors from one `generate()` call to the next."""
-    length = -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
+    length = cache_length(needed)
     cache = getattr(model, "_refusion_slot_cache", None)
     if cache is None or not cache.fits(model, batch_size, length):
         cache = SlotCache(model, batch_size, length)
@@ -1321,6 +1445,110 @@ def compile_forwards(model, compile_config: CompileConfig, batch_size: int, max_
             run_model(model, compiled, batch, batch_mask(layout, batch, [0] * batch_size, model.dtype), cache, 1)
 
 
+def measure_forward_prices(model, cache: SlotCache, compiled=None, widths=PRICE_WIDTHS, repeats=3) -> dict[int, float]:
+    """Seconds a forward of each of `widths` new tokens per row takes over `cache` (through the `compiled` backbone
+    where given, at the width it pads to), the fastest of `repeats` after a warm-up. The forwards run on padding:
+    what they write, the mask of a decode hides."""
+    batch_size, device = cache.layers[0].keys.shape[0], model.device
+    layout = StaticLayout(cache, batch_size, device)
+    timed, table = {}, {}
+    for width in widths:
+        padded = pad_width(width, compiled)
+        if padded not in timed:
+            batch = {name: torch.full((batch_size, padded), value, dtype=torch.long, device=device)
+                     for name, value in PADDING.items()}  # fmt: skip
+            mask = batch_mask(layout, batch, [0] * batch_size, model.dtype)
+            seconds = []
+            for _ in range(repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                run_model(model, compiled, batch, mask, cache, padded).sum().item()  # waits for the device
+                seconds.append(time.perf_counter() - start)
+            timed[padded] = min(seconds[1:])
+        table[width] = timed[padded]
+    return table
+
+
+def price_key(model, cache: SlotCache, compile_config: CompileConfig | None) -> str:
+    """What a price table holds for: the model (name, config, kinds of linear layer), the device and threads, the
+    dtype, the forward path (eager, or the compile config), the batch size and cache length, and torch's version."""
+    config = model.config.to_json_string(use_diff=False)
+    linears = sorted({type(module).__name__ for module in model.modules() if isinstance(module, torch.nn.Linear)})
+    if model.device.type == "cuda":
+        device = torch.cuda.get_device_name(model.device)
+    else:
+        device = f"{cpu_name()} {torch.backends.cpu.get_cpu_capability()}"
+    keys = cache.layers[0].keys
+    return " | ".join([
+        model.config._name_or_path or model.config.model_type,
+        hashlib.sha256(config.encode()).hexdigest()[:16],
+        "+".join(linears),
+        f"{device} {torch.get_num_threads()} threads",
+        str(model.dtype),
+        "eager" if compile_config is None else f"compiled {compile_config.to_dict()}",
+        f"batch {keys.shape[0]}, cache {keys.shape[2]}",
+        f"torch {torch.__version__}",
+    ])  # fmt: skip
+
+
+def cpu_name() -> str:
+    """The processor's model name, and "AMX" when it has AMX tiles (Linux; elsewhere the machine type)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    return f"{name or platform.machine()}{' AMX' if 'amx_tile' in info else ''}"
+
+
+def price_file() -> Path | None:
+    """Where measured prices are kept between processes: the file `REFUSION_PRICE_CACHE` names (none when it is
+    empty), by default `forward_prices.json` in the user's cache folder."""
+    named = os.environ.get(PRICE_CACHE_VARIABLE)
+    if named is not None:
+        return Path(named).expanduser() if named else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "refusion" / "forward_prices.json"
+
+
+def read_price_file(path: Path | None) -> dict:
+    """The tables kept in `path` (none when it is missing or unreadable: they are measured again)."""
+    try:
+        stored = json.loads(path.read_text()) if path is not None and path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def forward_prices(model, settings: DecodingSettings, cache: SlotCache, compiled=None) -> ForwardPrices:
+    """The price table of a decode's forwards over `cache`: the caller's `forward_prices`, else the table measured
+    before for the same `price_key` (kept on the model and in `price_file()`), else one measured now (once: a few
+    seconds)."""
+    if settings.forward_prices is not None:
+        return ForwardPrices(settings.forward_prices, compiled is not None)
+    key = price_key(model, cache, settings.compile_config)
+    known = getattr(model, "_refusion_prices", None)
+    if known is None:
+        known = model._refusion_prices = {}
+    if key not in known:
+        path = price_file()
+        stored = read_price_file(path).get(key)
+        try:
+            known[key] = check_forward_prices(stored)
+        except ValueError:  # not kept, or damaged
+            known[key] = measure_forward_prices(model, cache, compiled)
+            if path is not None:
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+                    partial.write_text(json.dumps({**read_price_file(path), key: known[key]}, indent=1))
+                    os.replace(partial, path)
+                except OSError as error:
+                    logger.warning(f"Measured forward prices could not be kept in {path} ({error}); set "
+                                   f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
+    return ForwardPrices(known[key], compiled is not None)
+
+
 def refusion_generate(
     model,
     input_ids: torch.LongTensor,
@@ -1359,7 +1587,7 @@ def refusion_generate(
     criteria = stopping_criteria_for(config, stopping_criteria, tokenizer)
     input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
     attention_mask = attention_mask.repeat_interleave(num_return_sequences, dim=0)
-    decoders = []
+    prompts = []
     for row, mask in zip(input_ids, attention_mask.bool()):
         prompt = row[mask]
         if prompt.shape[0] == 0:
@@ -1370,23 +1598,33 @@ def refusion_generate(
             raise ValueError(
                 f"A prompt contains the mask token (id {settings.mask_token_id}); it marks undecoded tokens only."
             )
-        processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
-        watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
-        decoders.append(SlotDecoder(prompt, settings, processors, watcher))
+        prompts.append(prompt)
 
     with torch.no_grad():
-        if not settings.use_cache:
-            forwards = sum(execute(model, [decoder], None) for decoder in decoders)
-        elif settings.cache_implementation == "static":
-            prompt_length = max(decoder.prompt.shape[0] for decoder in decoders)
-            needed = static_cache_columns(
-                prompt_length, settings.max_new_tokens, settings.slot_size, settings.block_length
-            )
-            cache = slot_cache(model, len(decoders), needed)
+        batch_size = len(prompts) if settings.use_cache else 1  # without a cache each row decodes alone
+        columns = static_cache_columns(
+            max(prompt.shape[0] for prompt in prompts), settings.max_new_tokens, settings.slot_size,
+            settings.block_length,
+        )  # fmt: skip
+        cache, compiled = None, None
+        if settings.use_cache and settings.cache_implementation == "static":
+            cache = slot_cache(model, batch_size, columns)
             compiled = compiled_backbone(model, settings.compile_config) if settings.compile_config else None
+        elif settings.use_cache:
+            cache = DynamicCache()
+        prices = None
+        if settings.draft_schedule == "price":
+            priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
+            prices = forward_prices(model, settings, priced, compiled)
+        decoders = []
+        for prompt in prompts:
+            processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
+            watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
+            decoders.append(SlotDecoder(prompt, settings, processors, watcher, prices))
+        if settings.use_cache:
             forwards = execute(model, decoders, cache, compiled)
         else:
-            forwards = execute(model, decoders, DynamicCache())
+            forwards = sum(execute(model, [decoder], None) for decoder in decoders)
     if streamer is not None:
         decoders[0].watcher.end()
     ends = [decoder.answer_length() for decoder in decoders]

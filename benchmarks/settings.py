@@ -38,6 +38,7 @@ WHOLE_SLOTS = setting(
     infill_mode="fast",
     fused_redraft=False,
     draft_window=None,
+    draft_schedule="fixed",
 )
 
 

@@ -1,0 +1,228 @@
+"""`draft_schedule="price"`: each verify or infill forward takes the number of drafts per slot (0 up to
+`draft_window`) that earns most expected tokens per price, from a table of what a forward of each width costs
+(`forward_prices`, the caller's or measured once and kept) and the acceptance the decode has seen. The decisions
+are exact: the same tokens cached, static, recomputed, batched and alone, for a given table."""
+
+import json
+import math
+
+import pytest
+import torch
+from test_batching import PROMPTS, left_padded
+from test_generation import PROMPT, sharpened_model
+
+import generation_refusion
+from generation_refusion import (
+    AcceptanceProfile,
+    ForwardPrices,
+    SlotCache,
+    best_window,
+    check_decoding,
+    expected_tokens,
+    price_key,
+)
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+FLAT = {1: 1.0, 64: 1.0}  # width is free: the widest window pays best
+LINEAR = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0, 32: 32.0}  # every query costs as much as the first
+STEEP = {1: 1.0, 2: 50.0, 64: 5000.0}  # a second query costs 50: no draft pays
+SETTINGS = dict(
+    max_new_tokens=24, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
+    pad_token_id=0, return_dict_in_generate=True,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request):
+    return sharpened_model(request.param, scale=4.0)
+
+
+def forward_queries(model, call) -> list[int]:
+    """The queries (the tokens whose logits are kept) of every forward `call()` runs, eagerly over a dynamic cache."""
+    queries = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: queries.append(kwargs["logits_to_keep"]), with_kwargs=True
+    )
+    try:
+        call()
+    finally:
+        handle.remove()
+    return queries
+
+
+# ---- the pure decision -----------------------------------------------------------------------------------------
+def test_expected_tokens_count_the_first_check_and_each_passing_run():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.0, 5) == 1 and expected_tokens(1.0, 3) == 4
+
+
+def test_free_width_takes_every_draft_and_dear_width_takes_none():
+    widths = [2 + 2 * k for k in range(8)]  # two fresh tokens, two slots taking k drafts each
+    assert best_window(ForwardPrices(FLAT), 0.4, widths) == 7
+    assert best_window(ForwardPrices(STEEP), 0.9, widths) == 0
+    assert best_window(ForwardPrices(LINEAR), 0.4, widths) == 0  # a draft earns 0.4 tokens, costs one query
+
+
+def test_the_window_grows_with_the_acceptance_rate_and_ties_take_the_fewest():
+    prices = ForwardPrices({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.6, 16: 5.0})
+    widths = [1 + k for k in range(8)]
+    chosen = [best_window(prices, rate, widths) for rate in (0.0, 0.3, 0.6, 0.9, 0.99)]
+    assert chosen == sorted(chosen) and chosen[0] == 0 and chosen[-1] > chosen[1]
+    assert best_window(ForwardPrices(FLAT), 0.0, widths) == 0  # nothing passes: more drafts earn nothing
+    # the verify forward's first token is free: it shifts the value of every window alike
+    assert best_window(prices, 0.6, widths, free=1.0) <= best_window(prices, 0.6, widths)
+
+
+def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
+    prices = ForwardPrices({"2": 2.0, 4: 6.0, 8: 8.0})  # a JSON file's keys are strings
+    assert [prices(width) for width in (1, 2, 3, 4, 6, 8, 16)] == [2.0, 2.0, 4.0, 6.0, 7.0, 8.0, 16.0]
+    compiled = ForwardPrices({8: 5.0, 16: 6.0, 32: 9.0, 64: 12.0}, compiled=True)
+    assert [compiled(width) for width in (1, 8, 9, 16, 17, 64, 128)] == [5.0, 5.0, 6.0, 6.0, 9.0, 12.0, 24.0]
+
+
+def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks():
+    profile = AcceptanceProfile(4, "cpu")
+    assert profile.rate(AcceptanceProfile.PLAN) == 0.5
+    checked = torch.tensor([[False, True, True, True]])
+    profile.add(AcceptanceProfile.PLAN, checked, torch.tensor([3]))  # offsets 1, 2 pass, 3 fails
+    assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx((2 + 1) / (3 + 2))
+    assert profile.rate(AcceptanceProfile.REDRAFT) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("prices", "message"),
+    [
+        ({}, "got {}"),
+        ([1.0, 2.0], "got [1.0, 2.0]"),
+        ({0: 1.0}, "width 0 is not a positive integer"),
+        ({"eight": 1.0}, "width 'eight' is not a positive integer"),
+        ({True: 1.0}, "width True is not a positive integer"),
+        ({1: -0.5}, "the price of width 1 (-0.5) is not a positive finite number"),
+        ({1: math.inf}, "the price of width 1 (inf) is not a positive finite number"),
+        ({1: "fast"}, "the price of width 1 ('fast') is not a positive finite number"),
+    ],
+)
+def test_bad_prices_are_refused_naming_the_option(prices, message):
+    model = sharpened_model("llama", scale=4.0)
+    with pytest.raises(ValueError, match="forward_prices must map forward widths") as error:
+        model.generate(PROMPT, draft_schedule="price", forward_prices=prices, **SETTINGS)
+    assert message in str(error.value)
+
+
+def test_the_schedule_is_a_fast_rule_setting_with_two_values():
+    assert check_decoding({})["draft_schedule"] == "fixed"
+    assert check_decoding({}, {"infill_mode": "reference", "draft_schedule": "price"})["draft_schedule"] == "fixed"
+    assert check_decoding({"draft_schedule": None})["draft_schedule"] == "fixed"
+    with pytest.raises(ValueError, match="draft_schedule must be 'fixed' or 'price', got 'auto'"):
+        check_decoding({"draft_schedule": "auto"})
+    with pytest.raises(ValueError, match="draft_schedule='price' and infill_mode='reference' were both passed"):
+        check_decoding({"draft_schedule": "price", "infill_mode": "reference"})
+
+
+# ---- decoding with a schedule ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fused_redraft", [False, True])
+@pytest.mark.parametrize("prices", [LINEAR, STEEP], ids=["linear", "steep"])
+def test_priced_decoding_is_exact_static_recomputed_batched_and_alone(model, fused_redraft, prices):
+    settings = dict(SETTINGS, draft_schedule="price", forward_prices=prices, fused_redraft=fused_redraft)
+    ids, mask = left_padded(PROMPTS)
+    dynamic = model.generate(ids, attention_mask=mask, **settings)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert torch.equal(dynamic.sequences, recomputed.sequences)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
+        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+
+
+@pytest.mark.parametrize("fused_redraft", [False, True])
+@pytest.mark.parametrize("window", [None, 2])
+def test_free_width_decodes_as_the_fixed_window(model, fused_redraft, window):
+    settings = dict(SETTINGS, fused_redraft=fused_redraft, draft_window=window)
+    fixed = model.generate(PROMPT, **settings)
+    priced = model.generate(PROMPT, draft_schedule="price", forward_prices=FLAT, **settings)
+    assert torch.equal(priced.sequences, fixed.sequences)
+    assert priced.num_forward_passes == fixed.num_forward_passes
+
+
+@pytest.mark.parametrize("fused_redraft", [False, True])
+def test_dear_width_leaves_one_query_per_slot_outside_plans(model, fused_redraft):
+    settings = dict(SETTINGS, fused_redraft=fused_redraft)
+    slots_per_block, size = SETTINGS["block_length"] // SETTINGS["slot_size"], SETTINGS["slot_size"]
+    fixed = forward_queries(model, lambda: model.generate(PROMPT, **settings))
+    priced = forward_queries(
+        model, lambda: model.generate(PROMPT, draft_schedule="price", forward_prices=STEEP, **settings)
+    )
+    # plans query whole slots of [MASK]; every other forward of the priced decode queries one token per slot it
+    # verifies or infills (the model's next token of each), where the fixed window checks wider
+    assert max(queries for queries in priced if queries % size) <= slots_per_block
+    assert max(queries for queries in fixed if queries % size) > slots_per_block
+    assert sum(priced) < sum(fixed)
+
+
+# ---- the price table: measured once, kept, overridable ---------------------------------------------------------
+def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatch):
+    path = tmp_path / "prices.json"
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    model = sharpened_model("qwen2", scale=4.0)
+    first = model.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    (key, table), *others = json.loads(path.read_text()).items()
+    assert not others and "torch.float64" in key and "eager" in key
+    assert [int(width) for width in table] == list(generation_refusion.PRICE_WIDTHS)
+    assert all(price > 0 for price in table.values())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kept prices should have been used")
+
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", refuse)
+    fresh = sharpened_model("qwen2", scale=4.0)  # a new model object: nothing kept on it
+    again = fresh.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    same = fresh.generate(PROMPT, draft_schedule="price", forward_prices=table, **SETTINGS)
+    assert torch.equal(again.sequences, same.sequences)
+    assert torch.equal(first.sequences, again.sequences)  # the table in force was the measured one
+
+
+def test_a_damaged_file_is_measured_again_and_an_empty_name_keeps_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "prices.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    model = sharpened_model("llama", scale=4.0)
+    model.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    assert len(json.loads(path.read_text())) == 1
+
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
+    other = sharpened_model("mistral", scale=4.0)
+    other.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    assert len(other._refusion_prices) == 1 and len(json.loads(path.read_text())) == 1
+
+
+def test_an_unwritable_file_warns_and_decodes(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(blocker / "prices.json"))  # its folder is a file
+    model = sharpened_model("llama", scale=4.0)
+    output = model.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    assert output.sequences.shape[1] == PROMPT.shape[1] + SETTINGS["max_new_tokens"]
+    assert "could not be kept" in caplog.text
+
+
+def test_a_table_holds_for_one_model_dtype_batch_and_path():
+    model = sharpened_model("llama", scale=4.0)
+    keys = {price_key(model, SlotCache(model, 1, 128), None), price_key(model, SlotCache(model, 2, 128), None)}
+    compiled = generation_refusion.CompileConfig(mode="max-autotune-no-cudagraphs")
+    keys.add(price_key(model, SlotCache(model, 1, 128), compiled))
+    keys.add(price_key(model.to(torch.float32), SlotCache(model, 1, 128), None))
+    assert len(keys) == 4
+
+
+def test_a_generation_config_can_carry_the_schedule_and_its_prices(tmp_path):
+    model = sharpened_model("qwen3", scale=4.0)
+    model.generation_config.draft_schedule = "price"
+    model.generation_config.forward_prices = STEEP
+    model.generation_config.save_pretrained(tmp_path)  # JSON: the widths come back as strings
+    loaded = type(model.generation_config).from_pretrained(tmp_path)
+    assert set(loaded.forward_prices) == {"1", "2", "64"}
+    from_config = model.generate(PROMPT, generation_config=loaded, **SETTINGS)
+    passed = model.generate(PROMPT, draft_schedule="price", forward_prices=STEEP, **SETTINGS)
+    assert torch.equal(from_config.sequences, passed.sequences)
