@@ -22,13 +22,15 @@ tokens. Inside a block every step runs:
 4. **commit** finished slots join the sequence and the KV cache in commit order with their own position ids.
 
 The code is layered: pure decision functions on tensors (`choose_slots`, `accept_and_correct`, ...), a passive
-record of what one row has stored (`StoredSequence`), a per-row generator of model requests (`SlotDecoder`) and a
-batched executor (`execute`) that runs the requests of all rows as one forward over one cache: a `DynamicCache`, or
-with `cache_implementation="static"` a `SlotCache` allocated once, whose forwards can run compiled (padded to a few
-widths, `WIDTH_BUCKETS`). Each stored
-token remembers what it attends to (a prefix of its row's sequence, its own group, and for `[MASK]` queries the
-group they draft for), so `use_cache=False` recomputes every forward from scratch with the same attention and
-must give the same tokens.
+record of what one row has stored (`StoredSequence`), a per-row state machine (`SlotDecoder`: `request()` gives the
+next forward's tokens for the phase it is in, `advance(logits)` reads that forward, decides and moves to the next
+phase) and a batched executor (`execute`) that runs the requests of all rows as one forward over one cache: a
+`DynamicCache`, or with `cache_implementation="static"` a `SlotCache` allocated once, whose forwards can run compiled
+(padded to a few widths, `WIDTH_BUCKETS`). Each stored token remembers what it attends to (a prefix of its row's
+sequence, its own group, and for `[MASK]` queries the group they draft for), so `use_cache=False` recomputes every
+forward from scratch with the same attention and must give the same tokens. With `draft_schedule="price"` the
+number of drafts in each verify and infill forward is chosen from what forwards of each width cost (`ForwardPrices`)
+and the acceptance seen so far (`best_window`).
 
 This file is self-contained (torch and transformers only). Saved ReFusion folders carry a byte-identical copy as
 `custom_generate/generate.py`, so that its `generate(model, ...)` decodes any supported causal LM that has a mask
@@ -44,7 +46,7 @@ import platform
 import shutil
 import textwrap
 import time
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
 import torch
@@ -675,8 +677,7 @@ class Queries:
 
 @dataclass(frozen=True)
 class Request:
-    """One row's new tokens for one forward: `len - num_queries` pending stored tokens, then the queries.
-    `keep_previous`: how many leading queries of the row's previous request stay in the sequence."""
+    """One row's new tokens for one forward: `len - num_queries` pending stored tokens, then the queries."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -685,7 +686,6 @@ class Request:
     groups: torch.Tensor
     parents: torch.Tensor
     num_queries: int
-    keep_previous: int
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -722,7 +722,6 @@ class StoredSequence:
             groups=torch.cat([self.groups[start:], queries.groups]),
             parents=torch.cat([torch.full_like(self.ids[start:], NO_GROUP), queries.parents]),
             num_queries=len(queries),
-            keep_previous=self.kept,
         )
         self.computed, self.kept = len(self), 0
         return request
@@ -826,12 +825,26 @@ class InOrderWatcher:
             self.streamer.end()
 
 
-# ---- one row: a generator of model requests ------------------------------------------------------------------------
-class SlotDecoder:
-    """Plan-and-infill decisions for one prompt. `steps()` yields a `Request` per forward and receives the logits of
-    its queries; the executor runs the requests of many rows as one batched forward."""
+# ---- one row: a state machine the executor steps -------------------------------------------------------------------
+@dataclass
+class Phase:
+    """Where a row's decode stands between two forwards: which forward it asks for next (`kind`) and the values that
+    forward's logits are read against."""
 
-    MASKED, INFILLING, DONE = range(3)
+    kind: int
+    slots: list[int] = field(default_factory=list)  # PLAN: the masked slots; VERIFY: the chosen ones
+    state: Infilling | None = None  # INFILL, REDRAFT, RECHECK: the slots being completed
+    read: dict = field(default_factory=dict)  # what building the queries decided that reading the logits needs
+
+
+class SlotDecoder:
+    """Plan-and-infill decisions for one prompt, stepped by the executor: `request()` gives the row's next forward
+    (None when its answer is done), `advance(logits)` reads the logits of that forward's queries, decides what is
+    committed and what comes next, and returns how many of the queries stay in the sequence (with their K/V). The
+    executor runs the requests of many rows as one batched forward."""
+
+    MASKED, INFILLING, DONE = range(3)  # slot status
+    PLAN, VERIFY, INFILL, REDRAFT, RECHECK, FINISHED = range(6)  # phase kinds; REDRAFT/RECHECK: the reference rule
 
     def __init__(
         self, prompt: torch.LongTensor, settings: DecodingSettings, processors=None, watcher=None, prices=None
@@ -852,50 +865,110 @@ class SlotDecoder:
         self.next_group = 0
         self.forwards = self.committed_slots = 0
         self.step_ratios: list[float] = []  # per plan step: slot_size x committed slots / forwards (authors' TPF)
+        self.step_start = (0, 0)  # forwards and committed slots when the current plan step began
         self.profile = AcceptanceProfile(size, self.device)
         prompt_positions = torch.arange(prompt.shape[0], device=self.device)
         self.record.append(Queries.causal(prompt, prompt_positions, 0, self._new_group()))
+        self.block = 0  # first slot of the block being decoded
+        self.phase = self._next_step()
 
-    # ---- the loop ----------------------------------------------------------------------------------------------
-    def steps(self):
-        """Decode block by block, yielding one `Request` per forward and receiving its queries' logits."""
+    # ---- the loop: one forward a call ---------------------------------------------------------------------------
+    def request(self) -> Request | None:
+        """The row's next forward: the pending stored tokens and the queries of the current phase (None when done)."""
+        build = {
+            self.PLAN: self._plan_queries,
+            self.VERIFY: self._verify_queries,
+            self.INFILL: self._infill_queries,
+            self.REDRAFT: self._redraft_queries,
+            self.RECHECK: self._recheck_queries,
+        }.get(self.phase.kind)
+        if build is None:
+            return None
+        self.forwards += 1
+        return self.record.request(build(self.phase), recompute=not self.settings.use_cache)
+
+    def advance(self, logits: torch.Tensor) -> int:
+        """Read the logits of the last request's queries, decide, and move to the next phase; returns how many
+        leading queries of that request stay in the sequence."""
+        read = {
+            self.PLAN: self._planned,
+            self.VERIFY: self._verified,
+            self.INFILL: self._infilled,
+            self.REDRAFT: self._redrafted,
+            self.RECHECK: self._rechecked,
+        }[self.phase.kind]
+        self.phase = read(self.phase, logits)
+        return self.record.kept
+
+    def _next_step(self) -> Phase:
+        """The next plan step: the masked slots of the first block that has any (blocks are decoded in order), or
+        FINISHED when none is left."""
         slots_per_block = self.settings.block_length // self.settings.slot_size
-        reference = self.settings.infill_mode == "reference"
-        for first in range(0, self.num_slots, slots_per_block):
-            block = range(first, min(first + slots_per_block, self.num_slots))
-            while masked := [slot for slot in block if self.status[slot] == self.MASKED]:
-                forwards, committed = self.forwards, self.committed_slots
-                chosen = yield from self.plan(masked)
-                infilling = yield from self.verify(chosen)
-                if infilling is not None:
-                    yield from (self.infill_reference(infilling) if reference else self.infill_fast(infilling))
-                committed = self.committed_slots - committed
-                self.step_ratios.append(self.settings.slot_size * committed / (self.forwards - forwards))
-        return self.record.kept  # queries of the last request that stay in the sequence
+        while self.block < self.num_slots:
+            block = range(self.block, min(self.block + slots_per_block, self.num_slots))
+            if masked := [slot for slot in block if self.status[slot] == self.MASKED]:
+                self.step_start = (self.forwards, self.committed_slots)
+                return Phase(self.PLAN, slots=masked)
+            self.block += slots_per_block
+        return Phase(self.FINISHED)
 
-    def plan(self, masked: list[int]):
-        """Draft every token of the `masked` slots in one forward; return the slots chosen for decoding."""
-        index = self._slot_index(masked).flatten()
-        masks = torch.full_like(index, self.settings.mask_token_id)
-        logits = yield from self._forward(self._causal(masks, index))
+    def _step_done(self) -> Phase:
+        """Record the plan step just finished (the authors' tokens per forward) and begin the next."""
+        forwards, committed = self.step_start
+        size = self.settings.slot_size
+        self.step_ratios.append(size * (self.committed_slots - committed) / (self.forwards - forwards))
+        return self._next_step()
+
+    def _infilling(self, state: Infilling | None) -> Phase:
+        """Go on completing `state`'s slots by the infill rule in force, or end the step when none is left."""
+        if state is None:
+            return self._step_done()
+        if self.settings.infill_mode != "reference":
+            return Phase(self.INFILL, state=state)
+        index = self._slot_index(state.slots)
+        if not (state.counts < self.settings.slot_size).any():
+            self._settle(state)
+            return self._step_done()
+        return Phase(self.REDRAFT, state=state, read={"index": index})
+
+    # ---- plan -------------------------------------------------------------------------------------------------
+    def _plan_queries(self, phase: Phase) -> Queries:
+        """Draft every token of the masked slots in one forward."""
+        index = self._slot_index(phase.slots).flatten()
+        phase.read["index"] = index
+        return self._causal(torch.full_like(index, self.settings.mask_token_id), index)
+
+    def _planned(self, phase: Phase, logits: torch.Tensor) -> Phase:
+        """Keep the drafts; choose the slots to decode by their first draft's confidence."""
+        index = phase.read["index"]
         tokens, probabilities = self._pick(logits, index)
         self.drafts[index] = tokens
-        chosen = choose_slots(probabilities.view(len(masked), -1)[:, 0], self.settings.slot_threshold)
-        return [slot for slot, keep in zip(masked, chosen.tolist()) if keep]
-
-    def verify(self, chosen: list[int]):
-        """Check the chosen drafts as one causal run; commit the leading complete slots with this forward's K/V.
-        Return the other chosen slots to infill (None when there are none)."""
-        index, size = self._slot_index(chosen), self.settings.slot_size
-        tokens = self.drafts[index]
+        chosen = choose_slots(probabilities.view(len(phase.slots), -1)[:, 0], self.settings.slot_threshold)
+        chosen = [slot for slot, keep in zip(phase.slots, chosen.tolist()) if keep]
+        if self.settings.slot_size > 1:
+            return Phase(self.VERIFY, slots=chosen)
+        # one-token slots: nothing to check, a slot's only token always passes
+        tokens = self.drafts[self._slot_index(chosen)]
         counts = torch.ones(len(chosen), dtype=torch.long, device=self.device)
-        if size == 1:  # nothing to check: a slot's first token always passes
-            eos = eos_offsets(tokens, counts, self.eos).tolist()
-            leading = leading_complete(counts.tolist(), eos, size)
-            self._commit_run(chosen[:leading], tokens[:leading], eos[:leading], computed=False)
-            return None
-        width = self._verify_width(len(chosen))  # leading tokens of each slot in the forward
-        logits = yield from self._forward(self._causal(tokens[:, :width].flatten(), index[:, :width].flatten()))
+        eos = eos_offsets(tokens, counts, self.eos).tolist()
+        leading = leading_complete(counts.tolist(), eos, 1)
+        self._commit_run(chosen[:leading], tokens[:leading], eos[:leading], computed=False)
+        return self._step_done()
+
+    # ---- verify -----------------------------------------------------------------------------------------------
+    def _verify_queries(self, phase: Phase) -> Queries:
+        """The chosen drafts as one causal run: each slot's leading `_verify_width` tokens."""
+        index = self._slot_index(phase.slots)
+        tokens = self.drafts[index]
+        width = self._verify_width(len(phase.slots))
+        phase.read.update(index=index, tokens=tokens, width=width)
+        return self._causal(tokens[:, :width].flatten(), index[:, :width].flatten())
+
+    def _verified(self, phase: Phase, logits: torch.Tensor) -> Phase:
+        """Commit the leading complete slots with this forward's K/V; infill the other chosen slots."""
+        chosen, index, tokens, width = phase.slots, phase.read["index"], phase.read["tokens"], phase.read["width"]
+        size = self.settings.slot_size
+        counts = torch.ones(len(chosen), dtype=torch.long, device=self.device)
         until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
         scored = ((self.offsets > 0) & (self.offsets < until)).expand_as(tokens)
         rows = logits.view(len(chosen), width, -1)[:, : until - 1].reshape(-1, logits.shape[-1])
@@ -911,8 +984,10 @@ class SlotDecoder:
         rest, groups = slice(leading, None), self._new_groups(len(chosen) - leading)
         if self.settings.infill_mode == "reference":
             if leading:  # the other chosen slots return to [MASK] and are planned again
-                return None
-            return Infilling(chosen, tokens, accepted, torch.zeros_like(counts), groups, len(self.record))
+                return self._step_done()
+            return self._infilling(
+                Infilling(chosen, tokens, accepted, torch.zeros_like(counts), groups, len(self.record))
+            )
         redrafts = tokens[rest] if self.settings.fused_redraft else ar_tokens[rest]  # fused: keep the plan's drafts
         new_tokens, new_counts = accept_and_correct(
             tokens[rest],
@@ -924,76 +999,98 @@ class SlotDecoder:
             torch.full_like(counts[rest], until),
         )
         stored = torch.zeros_like(new_counts)
-        return self._settle(Infilling(chosen[rest], new_tokens, new_counts, stored, groups, len(self.record)))
+        return self._infilling(
+            self._settle(Infilling(chosen[rest], new_tokens, new_counts, stored, groups, len(self.record)))
+        )
 
-    def infill_fast(self, state: Infilling):
-        """Complete the slots in parallel, one forward a round: `[fresh accepted tokens | MASK queries (fused) |
-        drafts]`. Fresh tokens stay in the sequence (in their slot's group); the drafts are checked, the model's
-        own token replaces the first rejected one, and the rest are redrafted from the same forward."""
-        while state is not None:
-            window = self._infill_window(state)
-            fused = self.settings.fused_redraft and window > 0  # no drafts, nothing to redraft
-            index, fresh, queried, checked, until = self._infill_layout(state, window)
-            parts = [self._grouped(state, index, fresh, state.tokens, state.groups)]
-            if fused:
-                mask_groups = self._new_groups(len(state.slots))
-                masks = torch.full_like(state.tokens, self.settings.mask_token_id)
-                parts.append(self._grouped(state, index, checked, masks, mask_groups, parents=state.groups))
-            parts.append(self._grouped(state, index, queried, state.tokens, state.groups))
-            logits = yield from self._forward(Queries.cat(parts))
-            self.record.keep(parts[0])
-            num_fresh, num_queried = len(parts[0]), len(parts[-1])
-            row_of = torch.zeros_like(index)
-            row_of[fresh] = torch.arange(num_fresh, device=self.device)
-            row_of[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
-            source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
-            ar_tokens, ar_probability = self._ar_check(logits[source[checked]], state.tokens, index, checked)
-            redrafts = ar_tokens
-            if fused:
-                mask_rows = logits[num_fresh : len(logits) - num_queried]
-                redrafts = state.tokens.clone()
-                redrafts[checked] = self._pick(mask_rows, index[checked], state.tokens, checked)[0]
-            run_end = first_rejected(state.counts, ar_probability, self.settings.token_threshold, until)
-            self.profile.add(AcceptanceProfile.REDRAFT, checked, run_end)
-            tokens, counts = accept_and_correct(
-                state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
-            )
-            state.stored, state.tokens, state.counts = state.counts, tokens, counts
-            state = self._settle(state)
+    # ---- infill, fast rule ------------------------------------------------------------------------------------
+    def _infill_queries(self, phase: Phase) -> Queries:
+        """One round for all the slots: `[fresh accepted tokens | MASK queries (fused) | drafts]`. Fresh tokens stay
+        in the sequence (in their slot's group); the drafts are checked, the model's own token replaces the first
+        rejected one, and the rest are redrafted from the same forward."""
+        state = phase.state
+        window = self._infill_window(state)
+        fused = self.settings.fused_redraft and window > 0  # no drafts, nothing to redraft
+        index, fresh, queried, checked, until = self._infill_layout(state, window)
+        parts = [self._grouped(state, index, fresh, state.tokens, state.groups)]
+        if fused:
+            mask_groups = self._new_groups(len(state.slots))
+            masks = torch.full_like(state.tokens, self.settings.mask_token_id)
+            parts.append(self._grouped(state, index, checked, masks, mask_groups, parents=state.groups))
+        parts.append(self._grouped(state, index, queried, state.tokens, state.groups))
+        phase.read.update(index=index, fresh=fresh, queried=queried, checked=checked, until=until, parts=parts)
+        return Queries.cat(parts)
 
-    def infill_reference(self, state: Infilling):
-        """The authors' infill, in lockstep rounds of two forwards over the slots not yet complete: the unaccepted
-        positions are redrafted by `[MASK]` queries after the accepted tokens, then the slot is checked causally and
-        the first unaccepted position is accepted unchecked. After each round the first slot with an accepted EOS
-        completes and the slots after it are dropped. All slots are committed together at the end."""
-        size, mask_id = self.settings.slot_size, self.settings.mask_token_id
-        index = self._slot_index(state.slots)
-        while (live := (state.counts < size)[:, None].expand_as(index)).any():
-            row_of = torch.zeros_like(index)
-            row_of[live] = torch.arange(int(live.sum()), device=self.device)
-            drafting = self.offsets >= state.counts[:, None]
-            masked = torch.where(drafting, mask_id, state.tokens)
-            groups = self._new_groups(len(state.slots))
-            logits = yield from self._forward(self._grouped(state, index, live, masked, groups))
-            tokens = state.tokens.clone()
-            tokens[drafting] = self._pick(logits[row_of[drafting]], index[drafting], state.tokens, drafting)[0]
-            groups = self._new_groups(len(state.slots))
-            logits = yield from self._forward(self._grouped(state, index, live, tokens, groups))
-            scored = drafting & (self.offsets > state.counts[:, None])  # by the checked position before it
-            source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
-            _, ar_probability = self._ar_check(logits[source[scored]], tokens, index, scored)
-            state.tokens = tokens
-            state.counts = accept_reference(state.counts, ar_probability, self.settings.token_threshold)
-            self.profile.add(AcceptanceProfile.REDRAFT, scored, state.counts)
-            eos = eos_offsets(tokens, state.counts, self.eos)
-            ended = (eos < state.counts).nonzero()[:, 0].tolist()
-            if ended:
-                first = ended[0]
-                state.counts[first] = size
-                self._stop_at(state.slots[first] * size + int(eos[first]) + 1)
-                state = state.select(list(range(first + 1)))
-                index = index[: first + 1]
-        self._settle(state)
+    def _infilled(self, phase: Phase, logits: torch.Tensor) -> Phase:
+        state, read = phase.state, phase.read
+        index, fresh, queried, checked, until, parts = (
+            read[name] for name in ("index", "fresh", "queried", "checked", "until", "parts")
+        )
+        self.record.keep(parts[0])
+        num_fresh, num_queried = len(parts[0]), len(parts[-1])
+        row_of = torch.zeros_like(index)
+        row_of[fresh] = torch.arange(num_fresh, device=self.device)
+        row_of[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
+        source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
+        ar_tokens, ar_probability = self._ar_check(logits[source[checked]], state.tokens, index, checked)
+        redrafts = ar_tokens
+        if len(parts) == 3:  # fused: the [MASK] queries' drafts
+            mask_rows = logits[num_fresh : len(logits) - num_queried]
+            redrafts = state.tokens.clone()
+            redrafts[checked] = self._pick(mask_rows, index[checked], state.tokens, checked)[0]
+        run_end = first_rejected(state.counts, ar_probability, self.settings.token_threshold, until)
+        self.profile.add(AcceptanceProfile.REDRAFT, checked, run_end)
+        tokens, counts = accept_and_correct(
+            state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
+        )
+        state.stored, state.tokens, state.counts = state.counts, tokens, counts
+        return self._infilling(self._settle(state))
+
+    # ---- infill, the authors' rule ------------------------------------------------------------------------------
+    # A round of two forwards over the slots not yet complete: the unaccepted positions are redrafted by `[MASK]`
+    # queries after the accepted tokens, then the slot is checked causally and the first unaccepted position is
+    # accepted unchecked. After each round the first slot with an accepted EOS completes and the slots after it are
+    # dropped. All slots are committed together at the end.
+    def _redraft_queries(self, phase: Phase) -> Queries:
+        state, index = phase.state, phase.read["index"]
+        live = (state.counts < self.settings.slot_size)[:, None].expand_as(index)
+        row_of = torch.zeros_like(index)
+        row_of[live] = torch.arange(int(live.sum()), device=self.device)
+        drafting = self.offsets >= state.counts[:, None]
+        masked = torch.where(drafting, self.settings.mask_token_id, state.tokens)
+        phase.read.update(live=live, row_of=row_of, drafting=drafting)
+        return self._grouped(state, index, live, masked, self._new_groups(len(state.slots)))
+
+    def _redrafted(self, phase: Phase, logits: torch.Tensor) -> Phase:
+        state, read = phase.state, phase.read
+        drafting, index = read["drafting"], read["index"]
+        tokens = state.tokens.clone()
+        tokens[drafting] = self._pick(logits[read["row_of"][drafting]], index[drafting], state.tokens, drafting)[0]
+        read["tokens"] = tokens
+        return Phase(self.RECHECK, state=state, read=read)
+
+    def _recheck_queries(self, phase: Phase) -> Queries:
+        state, read = phase.state, phase.read
+        return self._grouped(state, read["index"], read["live"], read["tokens"], self._new_groups(len(state.slots)))
+
+    def _rechecked(self, phase: Phase, logits: torch.Tensor) -> Phase:
+        state, read = phase.state, phase.read
+        index, tokens, drafting, row_of = read["index"], read["tokens"], read["drafting"], read["row_of"]
+        size = self.settings.slot_size
+        scored = drafting & (self.offsets > state.counts[:, None])  # by the checked position before it
+        source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
+        _, ar_probability = self._ar_check(logits[source[scored]], tokens, index, scored)
+        state.tokens = tokens
+        state.counts = accept_reference(state.counts, ar_probability, self.settings.token_threshold)
+        self.profile.add(AcceptanceProfile.REDRAFT, scored, state.counts)
+        eos = eos_offsets(tokens, state.counts, self.eos)
+        ended = (eos < state.counts).nonzero()[:, 0].tolist()
+        if ended:
+            first = ended[0]
+            state.counts[first] = size
+            self._stop_at(state.slots[first] * size + int(eos[first]) + 1)
+            state = state.select(list(range(first + 1)))
+        return self._infilling(state)
 
     # ---- results -----------------------------------------------------------------------------------------------
     def frontier(self) -> int:
@@ -1051,12 +1148,6 @@ class SlotDecoder:
         return ar_tokens, ar_probability
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
-    def _forward(self, queries: Queries):
-        """Yield the request for `queries` (after the pending tokens) and return the queries' logits."""
-        self.forwards += 1
-        logits = yield self.record.request(queries, recompute=not self.settings.use_cache)
-        return logits
-
     def _settle(self, state: Infilling) -> Infilling | None:
         """Apply accepted EOS tokens (the answer ends at the first; later slots are dropped) and commit the slots
         that are complete; return the rest (None when none is left)."""
@@ -1359,8 +1450,7 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
     """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
     whole sequence), through the `compiled` backbone where given. Returns the number of forwards."""
     device = decoders[0].device
-    steps = [decoder.steps() for decoder in decoders]
-    requests = [next(step, None) for step in steps]
+    requests = [decoder.request() for decoder in decoders]
     layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
     layout = layout_type(cache, len(decoders), device)
     empty = torch.zeros(0, dtype=torch.long, device=device)
@@ -1388,21 +1478,12 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
             if request is None:
                 kept.append(0)
                 continue
-            reply, keep = next_request(steps[row], logits[position, num_logits - request.num_queries :])
-            requests[row] = reply
-            kept.append(len(request) - request.num_queries + keep)
+            decoder = decoders[row]
+            queries_kept = decoder.advance(logits[position, num_logits - request.num_queries :])
+            requests[row] = decoder.request()
+            kept.append(len(request) - request.num_queries + queries_kept)
         layout.keep(batch, sizes, kept)
     return forwards
-
-
-def next_request(step, logits: torch.Tensor) -> tuple[Request | None, int]:
-    """Send a row's logits to its generator: its next request (None when it is done) and how many queries of the
-    request just run stay in the sequence."""
-    try:
-        request = step.send(logits)
-    except StopIteration as done:
-        return None, done.value
-    return request, request.keep_previous
 
 
 # ---- generate() ----------------------------------------------------------------------------------------------------
