@@ -34,4 +34,6 @@ timeout 120 "$python" -m benchmarks.forward_cost --device cuda --dtypes bfloat16
     --widths 1 2 4 8 16 32 64 128 --output_dir "$out" 2>&1 | tee "$out/forward_cost.log" || status=1
 timeout 300 "$python" -m benchmarks.quality_speed --device cuda --dtype bfloat16 --prompts 16 \
     --settings "shipped default" "fused redraft" --ar_compiled bfloat16 --refusion_compiled --output_dir "$out" 2>&1 | tee "$out/quality_speed.log" || status=1
+timeout 300 "$python" -m benchmarks.price_schedule --device cuda --prompts 16 --rounds 2 --skip_modelled 2>&1 \
+    | tee "$out/price_schedule.log" || status=1
 exit "$status"

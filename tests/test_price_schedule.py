@@ -226,3 +226,28 @@ def test_a_generation_config_can_carry_the_schedule_and_its_prices(tmp_path):
     from_config = model.generate(PROMPT, generation_config=loaded, **SETTINGS)
     passed = model.generate(PROMPT, draft_schedule="price", forward_prices=STEEP, **SETTINGS)
     assert torch.equal(from_config.sequences, passed.sequences)
+
+
+def test_the_benchmark_models_a_decode_by_pricing_each_forward_by_its_width():
+    from tiny import tiny_backbone, tiny_tokenizer
+
+    from benchmarks.price_schedule import modelled
+    from finetune.chat import prompt_token_ids
+    from finetune.convert import convert_to_refusion
+
+    tokenizer = tiny_tokenizer()
+    backbone = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
+    model, tokenizer = convert_to_refusion(backbone, tokenizer, slot_size=4, block_length=8, fused_redraft=True)
+    prompts = prompt_token_ids(tokenizer, ["Name a colour."])
+    unit = {1: 1.0, 1000: 1000.0}  # a forward costs its width
+    widths = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        result = modelled(model.eval(), tokenizer, prompts, 12, unit, draft_schedule="fixed")
+    finally:
+        handle.remove()
+    assert result["forwards"] == len(widths) > 1 and result["tokens"] > 0
+    assert result["seconds"] == sum(widths[1:])  # the prompt's forward left out
+    assert result["ar_seconds"] == result["tokens"]  # one one-query forward per AR token
