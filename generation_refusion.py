@@ -498,8 +498,9 @@ def build_logits_processors(
 
 # ---- pure decisions: plain tensors in, plain tensors out -----------------------------------------------------------
 def passes(probabilities: torch.Tensor, threshold: float) -> torch.Tensor:
-    """A probability passes a threshold when strictly above it; threshold 0 lets everything through."""
-    return probabilities > threshold if threshold > 0 else torch.ones_like(probabilities, dtype=torch.bool)
+    """A probability passes a threshold when strictly above it; threshold 0 lets every probability through (a
+    position with no draft, given -1, never passes)."""
+    return probabilities > threshold if threshold > 0 else probabilities >= 0
 
 
 def pick_tokens(probabilities: torch.Tensor, mask_token_id: int, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -629,12 +630,15 @@ def check_forward_prices(table) -> dict[int, float]:
 
 class ForwardPrices:
     """What a forward of `width` new tokens per row costs, from a table of measured widths: interpolated linearly
-    between them, the narrowest's price below it, prorated past the widest. With `compiled`, widths are first
+    between them, the narrowest's price below it, prorated past the widest. A width is never priced above a wider
+    one (it could run padded to it), which also bounds a measurement's noise. With `compiled`, widths are first
     padded to their width bucket, as the forward runs."""
 
     def __init__(self, table: dict[int, float], compiled: bool = False):
         self.table, self.compiled = check_forward_prices(table), compiled
         self.widths = list(self.table)
+        for narrower, wider in zip(reversed(self.widths[:-1]), reversed(self.widths[1:])):
+            self.table[narrower] = min(self.table[narrower], self.table[wider])
 
     def __call__(self, width: int) -> float:
         if self.compiled and width <= WIDTH_BUCKETS[-1]:
@@ -933,8 +937,12 @@ class SlotDecoder:
 
     # ---- plan -------------------------------------------------------------------------------------------------
     def _plan_queries(self, phase: Phase) -> Queries:
-        """Draft every token of the masked slots in one forward."""
-        index = self._slot_index(phase.slots).flatten()
+        """Draft every token of the masked slots in one forward; only their first tokens (which choose the slots)
+        where the price schedule finds that drafts do not pay: the slots are then completed token by token."""
+        index = self._slot_index(phase.slots)
+        if self.prices is not None and not self._drafts_pay(len(phase.slots)):
+            index = index[:, :1]
+        index = index.flatten()
         phase.read["index"] = index
         return self._causal(torch.full_like(index, self.settings.mask_token_id), index)
 
@@ -1144,7 +1152,9 @@ class SlotDecoder:
         ar_tokens = tokens.clone()
         ar_tokens[where] = own
         ar_probability = torch.ones(tokens.shape, dtype=probabilities.dtype, device=self.device)
-        ar_probability[where] = probabilities.gather(-1, tokens[where][:, None])[:, 0]
+        drafts = tokens[where]
+        drafted = probabilities.gather(-1, drafts[:, None])[:, 0]
+        ar_probability[where] = drafted.masked_fill(drafts == self.settings.mask_token_id, -1)  # not drafted
         return ar_tokens, ar_probability
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
@@ -1222,16 +1232,22 @@ class SlotDecoder:
 
     def _infill_window(self, state: Infilling) -> int:
         """Drafts of each slot queried in the next infill round: `draft_window` (whole slots when None), or under
-        `draft_schedule="price"` the number up to it that earns most per price; with `fused_redraft` k drafts bring
-        k + 1 `[MASK]` queries (none when k is 0)."""
-        size = self.settings.slot_size
-        cap = min(self.settings.draft_window or size, size - 1)
+        `draft_schedule="price"` the number up to it that earns most per price."""
         if self.prices is None:
-            return self.settings.draft_window or size
-        fresh = int((state.counts - state.stored).sum())
-        masks = self.settings.fused_redraft
-        widths = [fresh + len(state.slots) * (k + (k + 1 if masks and k else 0)) for k in range(cap + 1)]
+            return self.settings.draft_window or self.settings.slot_size
+        return self._priced_window(len(state.slots), int((state.counts - state.stored).sum()))
+
+    def _priced_window(self, slots: int, fresh: int) -> int:
+        """The drafts per slot that earn most per price in an infill round of `slots` slots bringing `fresh` tokens;
+        with `fused_redraft` k drafts bring k + 1 `[MASK]` queries (none when k is 0)."""
+        size, masks = self.settings.slot_size, self.settings.fused_redraft
+        cap = min(self.settings.draft_window or size, size - 1)
+        widths = [fresh + slots * (k + (k + 1 if masks and k else 0)) for k in range(cap + 1)]
         return best_window(self.prices, self.profile.rate(AcceptanceProfile.REDRAFT), widths)
+
+    def _drafts_pay(self, slots: int) -> bool:
+        """Whether `slots` chosen slots would take drafts into their verify forward or their first infill round."""
+        return self._verify_width(slots) > 1 or self._priced_window(slots, slots) > 0
 
     def _infill_layout(self, state: Infilling, window: int):
         """Where the tokens of an infill round go: `fresh` accepted tokens not yet stored, drafts `queried` in the

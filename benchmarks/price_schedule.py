@@ -65,23 +65,8 @@ def modelled(model, tokenizer, prompts, max_new_tokens, table: dict, **options) 
     return {"tokens": tokens, "forwards": forwards, "seconds": priced_seconds, "ar_seconds": tokens * price(1)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eager", action="store_true", help="eager forwards and eager AR (default: compiled)")
-    parser.add_argument("--skip_modelled", action="store_true", help="part 1 only")
-    args = parser.parse_args()
-    dtype, mode = decoding_dtype(None, args.device), compile_mode(args.device)
-
-    base, tokenizer = load_base()
-    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
-    ar, model = copy.deepcopy(base).to(args.device, dtype), model.to(args.device, dtype)
-    prepare_for_decoding(model)
-    model.generation_config = generation_config(model, shipped())
-    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
+def measured(args, ar, model, tokenizer, refusion_tokenizer, prompts, dtype, mode) -> None:
+    """Part 1: AR, the fixed window and priced drafts in interleaved rounds (prints its table)."""
     options = dict(time_forwards=False)
     if not args.eager:
         options.update(compiled_refusion(args.device, mode))
@@ -92,7 +77,7 @@ def main() -> None:
     print(f"the first priced decode (8 tokens) took {first:.1f} s, measuring the price table; unpriced {plain:.1f} s")
     for key, table in getattr(model, "_refusion_prices", {}).items():
         print(f"measured prices ({key}):\n  " + json.dumps({width: round(price * 1000, 1) for width, price in
-                                                       table.items()}) + " ms")  # fmt: skip
+                                                        table.items()}) + " ms")  # fmt: skip
 
     rows = []
     for round_index in range(args.rounds):
@@ -110,10 +95,8 @@ def main() -> None:
     path = "eager" if args.eager else f"compiled ({mode})"
     print(f"\nPart 1, measured: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens, batch 1, {dtype}, "
           f"{path}, {torch.get_num_threads()} threads")  # fmt: skip
-    print(
-        "| round | AR tokens/s | fixed tokens/s | fixed TPF | priced tokens/s | priced TPF | fixed vs AR | "
-        "priced vs AR |"
-    )
+    print("| round | AR tokens/s | fixed tokens/s | fixed TPF | priced tokens/s | priced TPF | fixed vs AR | "
+          "priced vs AR |")  # fmt: skip
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for index, (ar_run, fixed, priced) in enumerate(rows, start=1):
         print(f"| {index} | {ar_run.tokens_per_second:.1f} | {fixed.tokens_per_second:.1f} | "
@@ -123,6 +106,27 @@ def main() -> None:
     for name, column in (("fixed", 1), ("priced", 2)):
         ratios = [row[column].tokens_per_second / row[0].tokens_per_second for row in rows]
         print(f"median {name} vs AR: {statistics.median(ratios):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="of part 1 (0: part 2 only)")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--eager", action="store_true", help="eager forwards and eager AR (default: compiled)")
+    parser.add_argument("--skip_modelled", action="store_true", help="part 1 only")
+    args = parser.parse_args()
+    dtype, mode = decoding_dtype(None, args.device), compile_mode(args.device)
+
+    base, tokenizer = load_base()
+    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
+    ar, model = copy.deepcopy(base).to(args.device, dtype), model.to(args.device, dtype)
+    prepare_for_decoding(model)
+    model.generation_config = generation_config(model, shipped())
+    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
+    if args.rounds:
+        measured(args, ar, model, tokenizer, refusion_tokenizer, prompts, dtype, mode)
     if args.skip_modelled:
         return
 

@@ -1,7 +1,7 @@
 """Serving benchmark: vLLM against transformers and our ReFusion decoder at 1, 8 and 32 concurrent requests.
 
     python -m benchmarks.serving --output_dir DIR [--prompts 32] [--max_new_tokens 64] [--concurrency 1 8 32]
-        [--drafts 4] [--dtype float32]
+        [--drafts 4] [--dtype float32] [--skip_vllm] [--refusion_cache dynamic static]
 
 One run, the shipped model's native export (`scripts/serve.sh` builds vLLM's environment and the export), the same
 held-out chat prompts (never trained on) and greedy decoding everywhere:
@@ -186,6 +186,11 @@ def main() -> None:
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 where native, else float32"
     )
     parser.add_argument("--output_dir", required=True, help="where serving.json, .md and .png go (overwritten)")
+    parser.add_argument("--skip_vllm", action="store_true", help="the transformers-side rows only (no vLLM server)")
+    parser.add_argument(
+        "--refusion_cache", nargs="+", default=["dynamic"], choices=["dynamic", "static"],
+        help="the KV cache of the ReFusion rows: a row for each (a static cache keeps each request's tokens together)",
+    )  # fmt: skip
     args = parser.parse_args()
     dtype = decoding_dtype(args.dtype)  # vLLM on the CPU, as the transformers-side decoders here
     in_dtype = str(dtype).removeprefix("torch.")
@@ -194,9 +199,10 @@ def main() -> None:
 
     decoders = {}
     vllm_args = ["--dtype", in_dtype, "--max-model-len", "2048"]
-    with Server(vllm_args=vllm_args, log_path=logs / "vllm-ar.log") as server:
-        decoders[f"vLLM AR ({in_dtype})"] = vllm_rows(server, prompts, args.max_new_tokens, args.concurrency)
-    if args.drafts:
+    if not args.skip_vllm:
+        with Server(vllm_args=vllm_args, log_path=logs / "vllm-ar.log") as server:
+            decoders[f"vLLM AR ({in_dtype})"] = vllm_rows(server, prompts, args.max_new_tokens, args.concurrency)
+    if args.drafts and not args.skip_vllm:
         name = f"vLLM + ReFusion drafts, K={args.drafts} ({in_dtype})"
         try:
             with Server(drafts=args.drafts, vllm_args=vllm_args, log_path=logs / "vllm-drafts.log") as server:
@@ -211,9 +217,11 @@ def main() -> None:
     )
     del native
     refusion, _ = load_refusion()  # the same weights in our class: this package's decoder as it is now
-    decoders[f"ReFusion decoder, shipped default ({in_dtype})"] = static_batch_rows(
-        refusion.to(dtype), tokenizer, prompts, args.max_new_tokens, args.concurrency
-    )
+    for cache in args.refusion_cache:
+        name = f"ReFusion decoder, shipped default ({in_dtype})" + (", static cache" if cache == "static" else "")
+        decoders[name] = static_batch_rows(
+            refusion.to(dtype), tokenizer, prompts, args.max_new_tokens, args.concurrency, cache_implementation=cache
+        )
 
     lossless = {  # speculative decoding must not change a greedy answer
         name: sum(a == b for a, b in zip(rows[0]["answers"], decoders[f"vLLM AR ({in_dtype})"][0]["answers"]))

@@ -19,6 +19,7 @@ from generation_refusion import (
     best_window,
     check_decoding,
     expected_tokens,
+    passes,
     price_key,
 )
 
@@ -79,6 +80,8 @@ def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
     assert [prices(width) for width in (1, 2, 3, 4, 6, 8, 16)] == [2.0, 2.0, 4.0, 6.0, 7.0, 8.0, 16.0]
     compiled = ForwardPrices({8: 5.0, 16: 6.0, 32: 9.0, 64: 12.0}, compiled=True)
     assert [compiled(width) for width in (1, 8, 9, 16, 17, 64, 128)] == [5.0, 5.0, 6.0, 6.0, 9.0, 12.0, 24.0]
+    noisy = ForwardPrices({1: 6.8, 8: 6.8, 16: 6.6, 32: 6.5, 64: 9.8})  # a width measured dearer than a wider one
+    assert [noisy(width) for width in (1, 8, 16, 32, 64)] == [6.5, 6.5, 6.5, 6.5, 9.8]
 
 
 def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks():
@@ -147,18 +150,28 @@ def test_free_width_decodes_as_the_fixed_window(model, fused_redraft, window):
 
 
 @pytest.mark.parametrize("fused_redraft", [False, True])
-def test_dear_width_leaves_one_query_per_slot_outside_plans(model, fused_redraft):
+def test_dear_width_leaves_one_query_per_slot_in_every_forward(model, fused_redraft):
     settings = dict(SETTINGS, fused_redraft=fused_redraft)
     slots_per_block, size = SETTINGS["block_length"] // SETTINGS["slot_size"], SETTINGS["slot_size"]
     fixed = forward_queries(model, lambda: model.generate(PROMPT, **settings))
     priced = forward_queries(
         model, lambda: model.generate(PROMPT, draft_schedule="price", forward_prices=STEEP, **settings)
     )
-    # plans query whole slots of [MASK]; every other forward of the priced decode queries one token per slot it
-    # verifies or infills (the model's next token of each), where the fixed window checks wider
-    assert max(queries for queries in priced if queries % size) <= slots_per_block
-    assert max(queries for queries in fixed if queries % size) > slots_per_block
+    # no draft pays: plans draft each masked slot's first token only (which chooses the slots), verify and infill
+    # forwards query one token per slot (a first infill round also recomputes the verified token in the slot's own
+    # context); the fixed window plans whole slots and checks wider
+    assert max(priced) <= 2 * slots_per_block < slots_per_block * size
+    assert max(fixed) >= slots_per_block * size
     assert sum(priced) < sum(fixed)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_undrafted_positions_never_pass_even_at_threshold_zero(model, threshold):
+    settings = dict(SETTINGS, token_threshold=threshold, draft_schedule="price", forward_prices=STEEP)
+    ids, mask = left_padded(PROMPTS)
+    answers = model.generate(ids, attention_mask=mask, **settings).sequences[:, ids.shape[1] :]
+    assert not (answers == model.config.mask_token_id).any()
+    assert not passes(torch.tensor([-1.0]), 0.0).any() and passes(torch.tensor([0.0]), 0.0).all()
 
 
 # ---- the price table: measured once, kept, overridable ---------------------------------------------------------
