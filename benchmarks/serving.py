@@ -1,7 +1,7 @@
 """Serving benchmark: vLLM against transformers and our ReFusion decoder at 1, 8 and 32 concurrent requests.
 
     python -m benchmarks.serving --output_dir DIR [--prompts 32] [--max_new_tokens 64] [--concurrency 1 8 32]
-        [--drafts 4] [--dtype float32] [--skip_vllm] [--refusion_cache dynamic static]
+        [--drafts 4] [--dtype float32] [--skip_vllm] [--refusion_cache dynamic static] [--refusion_schedule fixed price]
 
 One run, the shipped model's native export (`scripts/serve.sh` builds vLLM's environment and the export), the same
 held-out chat prompts (never trained on) and greedy decoding everywhere:
@@ -13,13 +13,15 @@ held-out chat prompts (never trained on) and greedy decoding everywhere:
 Tokens/s count every answer token over the wall time of all prompts. Per request: latency (request to last token),
 time to first token and time per output token after the first (vLLM, from the stream; for a static batch every
 request of a batch gets its answer at the end, so its latency is the batch's time). Every decoder runs in `--dtype`
-(default: the dtype policy, `recipe.model.decoding_dtype`). Writes `serving.json`, `serving.md` and `serving.png`
+(default: the dtype policy, `recipe.model.decoding_dtype`), our decoder with the policy's kernels
+(`recipe.model.prepare_for_decoding`). Writes `serving.json`, `serving.md` and `serving.png`
 into `--output_dir`, which has no default: a run elsewhere names its own folder rather than overwriting the
 committed results (`benchmarks/results/smollm2-cpu`).
 """
 
 import argparse
 import concurrent.futures
+import itertools
 import os
 import platform
 import statistics
@@ -30,7 +32,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipe.decoding import decode
-from recipe.model import decoding_dtype
+from recipe.model import decoding_dtype, prepare_for_decoding
 from recipe.prompts import build_prompts, interleave_kinds, split_prompts
 from recipe.report import cell, write_results
 from serving.client import SHIPPED_NATIVE, Server
@@ -190,6 +192,11 @@ def main() -> None:
     parser.add_argument(
         "--refusion_cache", nargs="+", default=["dynamic"], choices=["dynamic", "static"],
         help="the KV cache of the ReFusion rows: a row for each (a static cache keeps each request's tokens together)",
+    )
+    parser.add_argument(
+        "--refusion_schedule", nargs="+", default=["fixed"], choices=["fixed", "price"],
+        help="the draft schedule of the ReFusion rows: a row for each (price: drafts per forward chosen by what a "
+        "forward of each width costs at the batch size)",
     )  # fmt: skip
     args = parser.parse_args()
     dtype = decoding_dtype(args.dtype)  # vLLM on the CPU, as the transformers-side decoders here
@@ -217,16 +224,17 @@ def main() -> None:
     )
     del native
     refusion, _ = load_refusion()  # the same weights in our class: this package's decoder as it is now
-    for cache in args.refusion_cache:
+    prepare_for_decoding(refusion.to(dtype))  # the decoding policy's kernels
+    for cache, schedule in itertools.product(args.refusion_cache, args.refusion_schedule):
         name = f"ReFusion decoder, shipped default ({in_dtype})" + (", static cache" if cache == "static" else "")
-        decoders[name] = static_batch_rows(
-            refusion.to(dtype), tokenizer, prompts, args.max_new_tokens, args.concurrency, cache_implementation=cache
-        )
+        name += ", priced drafts" if schedule == "price" else ""
+        decoders[name] = static_batch_rows(refusion, tokenizer, prompts, args.max_new_tokens, args.concurrency,
+                                           cache_implementation=cache, draft_schedule=schedule)  # fmt: skip
 
     lossless = {  # speculative decoding must not change a greedy answer
         name: sum(a == b for a, b in zip(rows[0]["answers"], decoders[f"vLLM AR ({in_dtype})"][0]["answers"]))
         for name, rows in decoders.items()
-        if "drafts" in name
+        if name.startswith("vLLM +")
     }
     results = {
         "answers_equal_to_vllm_ar": {name: f"{equal}/{len(prompts)}" for name, equal in lossless.items()},
