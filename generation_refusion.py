@@ -1617,13 +1617,11 @@ def read_price_file(path: Path | None) -> dict:
     return stored if isinstance(stored, dict) else {}
 
 
-def forward_prices(model, settings: DecodingSettings, cache: SlotCache, compiled=None) -> ForwardPrices:
-    """The price table of a decode's forwards over `cache`: the caller's `forward_prices`, else the table measured
-    before for the same `price_key` (kept on the model and in `price_file()`), else one measured now (once: a few
-    seconds)."""
-    if settings.forward_prices is not None:
-        return ForwardPrices(settings.forward_prices, compiled is not None)
-    key = price_key(model, cache, settings.compile_config)
+def measured_prices(model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None) -> ForwardPrices:
+    """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`): the one
+    measured before for the same `price_key` (kept on the model and in `price_file()`), else one measured now (once:
+    a few seconds)."""
+    key = price_key(model, cache, compile_config)
     known = getattr(model, "_refusion_prices", None)
     if known is None:
         known = model._refusion_prices = {}
@@ -1710,9 +1708,11 @@ def refusion_generate(
         elif settings.use_cache:
             cache = DynamicCache()
         prices = None
-        if settings.draft_schedule == "price":
+        if settings.draft_schedule == "price" and settings.forward_prices is not None:
+            prices = ForwardPrices(settings.forward_prices, compiled is not None)
+        elif settings.draft_schedule == "price":  # measured over the decode's own cache, or one like it
             priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
-            prices = forward_prices(model, settings, priced, compiled)
+            prices = measured_prices(model, settings.compile_config, priced, compiled)
         decoders = []
         for prompt in prompts:
             processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
