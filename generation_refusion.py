@@ -929,11 +929,10 @@ class SlotDecoder:
             return self._step_done()
         if self.settings.infill_mode != "reference":
             return Phase(self.INFILL, state=state)
-        index = self._slot_index(state.slots)
         if not (state.counts < self.settings.slot_size).any():
             self._settle(state)
             return self._step_done()
-        return Phase(self.REDRAFT, state=state, read={"index": index})
+        return Phase(self.REDRAFT, state=state)
 
     # ---- plan -------------------------------------------------------------------------------------------------
     def _plan_queries(self, phase: Phase) -> Queries:
@@ -1060,13 +1059,14 @@ class SlotDecoder:
     # accepted unchecked. After each round the first slot with an accepted EOS completes and the slots after it are
     # dropped. All slots are committed together at the end.
     def _redraft_queries(self, phase: Phase) -> Queries:
-        state, index = phase.state, phase.read["index"]
+        state = phase.state
+        index = self._slot_index(state.slots)
         live = (state.counts < self.settings.slot_size)[:, None].expand_as(index)
         row_of = torch.zeros_like(index)
         row_of[live] = torch.arange(int(live.sum()), device=self.device)
         drafting = self.offsets >= state.counts[:, None]
         masked = torch.where(drafting, self.settings.mask_token_id, state.tokens)
-        phase.read.update(live=live, row_of=row_of, drafting=drafting)
+        phase.read.update(index=index, live=live, row_of=row_of, drafting=drafting)
         return self._grouped(state, index, live, masked, self._new_groups(len(state.slots)))
 
     def _redrafted(self, phase: Phase, logits: torch.Tensor) -> Phase:
