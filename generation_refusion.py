@@ -23,14 +23,15 @@ tokens. Inside a block every step runs:
 
 The code is layered: pure decision functions on tensors (`choose_slots`, `accept_and_correct`, ...), a passive
 record of what one row has stored (`StoredSequence`), a per-row state machine (`SlotDecoder`: `request()` gives the
-next forward's tokens for the phase it is in, `advance(logits)` reads that forward, decides and moves to the next
-phase) and a batched executor (`execute`) that runs the requests of all rows as one forward over one cache: a
-`DynamicCache`, or with `cache_implementation="static"` a `SlotCache` allocated once, whose forwards can run compiled
-(padded to a few widths, `WIDTH_BUCKETS`). Each stored token remembers what it attends to (a prefix of its row's
-sequence, its own group, and for `[MASK]` queries the group they draft for), so `use_cache=False` recomputes every
-forward from scratch with the same attention and must give the same tokens. With `draft_schedule="price"` the
-number of drafts in each verify and infill forward is chosen from what forwards of each width cost (`ForwardPrices`)
-and the acceptance seen so far (`best_window`).
+next forward's tokens for the phase it is in, `score(logits)` reads that forward on the device into a few integers,
+`advance(values)` decides from them and moves to the next phase) and a batched executor (`execute`) that runs the
+requests of all rows as one forward, reads every row's integers to the host at once (a step waits for the device
+once) and keeps one cache: a `DynamicCache`, or with `cache_implementation="static"` a `SlotCache` allocated once,
+whose forwards can run compiled (padded to a few widths, `WIDTH_BUCKETS`). Each stored token remembers what it
+attends to (a prefix of its row's sequence, its own group, and for `[MASK]` queries the group they draft for), so
+`use_cache=False` recomputes every forward from scratch with the same attention and must give the same tokens. With
+`draft_schedule="price"` the number of drafts in each verify and infill forward is chosen from what forwards of each
+width cost (`ForwardPrices`) and the acceptance seen so far (`best_window`).
 
 This file is self-contained (torch and transformers only). Saved ReFusion folders carry a byte-identical copy as
 `custom_generate/generate.py`, so that its `generate(model, ...)` decodes any supported causal LM that has a mask
@@ -507,7 +508,8 @@ def pick_tokens(probabilities: torch.Tensor, mask_token_id: int, do_sample: bool
     """Greedy or sampled token of every row, never the mask token, and its probability. Sampling uses the
     exponential trick (no host sync)."""
     if do_sample:
-        weights = probabilities.index_fill(-1, torch.tensor([mask_token_id], device=probabilities.device), 0.0)
+        weights = probabilities.clone()
+        weights[..., mask_token_id] = 0.0
         tokens = (weights / torch.empty_like(weights).exponential_(1)).argmax(dim=-1)
     else:
         best = probabilities.topk(2, dim=-1).indices
@@ -653,6 +655,17 @@ class ForwardPrices:
         return table[low] + (table[high] - table[low]) * (width - low) / (high - low)
 
 
+def upload(values: list[int], device) -> torch.Tensor:
+    """A host list as a long tensor on `device`, copied without waiting for the device's queued work."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat (row-major) indices of the true entries of `mask`, of which the host knows there are `count`: found
+    without reading the mask to the host, as boolean indexing would."""
+    return torch.nonzero_static(mask.flatten(), size=count)[:, 0]
+
+
 # ---- the passive record of one row ---------------------------------------------------------------------------------
 @dataclass
 class Queries:
@@ -738,31 +751,31 @@ class StoredSequence:
 
 @dataclass
 class Infilling:
-    """Chosen slots being completed: tokens (accepted prefix, then drafts), accepted counts, how many of each are
-    stored, their attention groups, and the sequence length they all see."""
+    """Chosen slots being completed: their tokens (accepted prefix, then drafts) on the device and, known to the host,
+    how many of each are accepted and stored, their attention groups, and the sequence length they all see."""
 
     slots: list[int]
     tokens: torch.Tensor
-    counts: torch.Tensor
-    stored: torch.Tensor
-    groups: torch.Tensor
+    counts: list[int]
+    stored: list[int]
+    groups: list[int]
     prefix: int
 
     def select(self, rows: list[int]) -> "Infilling":
-        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
         return Infilling(
             [self.slots[row] for row in rows],
-            self.tokens[index],
-            self.counts[index],
-            self.stored[index],
-            self.groups[index],
+            self.tokens[upload(rows, self.tokens.device)],
+            [self.counts[row] for row in rows],
+            [self.stored[row] for row in rows],
+            [self.groups[row] for row in rows],
             self.prefix,
         )
 
 
 class AcceptanceProfile:
     """Draft checks of one row by source (`PLAN`, `REDRAFT`) and slot offset, counted on the device: recording a
-    check adds tensors and never waits for the host."""
+    check adds tensors and never waits for the host. `known` is the host's copy of the totals (offered and accepted
+    per source) as of the decoder's last read, which `rate` uses."""
 
     PLAN, REDRAFT = range(2)
 
@@ -772,6 +785,7 @@ class AcceptanceProfile:
         self.accepted = torch.zeros_like(self.offered)
         self.runs = torch.zeros(2, dtype=torch.long, device=device)
         self.forwards = 0
+        self.known = [0, 0, 0, 0]
 
     def add(self, source: int, checked: torch.Tensor, run_end: torch.Tensor) -> None:
         """One forward's check: `checked` (`[slots, slot_size]`) marks the drafts it scored, `run_end` the offset of
@@ -783,10 +797,15 @@ class AcceptanceProfile:
         self.runs[source] += offered.any(dim=1).sum()
         self.forwards += 1
 
+    def totals(self) -> torch.Tensor:
+        """Offered and accepted drafts of each source, `[PLAN offered, PLAN accepted, REDRAFT offered, REDRAFT
+        accepted]`, on the device: what `known` is read from."""
+        return torch.stack([self.offered.sum(dim=1), self.accepted.sum(dim=1)], dim=1).flatten()
+
     def rate(self, source: int) -> float:
-        """The share of `source`'s offered drafts that passed, with one pass and one failure counted in advance (so
-        0.5 before any check)."""
-        offered, accepted = torch.stack([self.offered[source].sum(), self.accepted[source].sum()]).tolist()
+        """The share of `source`'s offered drafts that passed, as the host last read them, with one pass and one
+        failure counted in advance (so 0.5 before any check)."""
+        offered, accepted = self.known[2 * source : 2 * source + 2]
         return (accepted + 1) / (offered + 2)
 
     @staticmethod
@@ -802,7 +821,7 @@ class AcceptanceProfile:
 
 class InOrderWatcher:
     """Streams, and applies stopping criteria to, the in-order prefix of one answer as it grows. ReFusion commits
-    slots out of reading order; only the contiguous prefix is final text."""
+    slots out of reading order; only the contiguous prefix is final text. (Both read the answer to the host.)"""
 
     def __init__(self, prompt: torch.Tensor, streamer=None, criteria=None):
         self.prompt, self.streamer, self.criteria, self.emitted = prompt, streamer, criteria, 0
@@ -838,14 +857,17 @@ class Phase:
     kind: int
     slots: list[int] = field(default_factory=list)  # PLAN: the masked slots; VERIFY: the chosen ones
     state: Infilling | None = None  # INFILL, REDRAFT, RECHECK: the slots being completed
-    read: dict = field(default_factory=dict)  # what building the queries decided that reading the logits needs
+    read: dict = field(default_factory=dict)  # what building the queries, then scoring the logits, left for later
 
 
 class SlotDecoder:
-    """Plan-and-infill decisions for one prompt, stepped by the executor: `request()` gives the row's next forward
-    (None when its answer is done), `advance(logits)` reads the logits of that forward's queries, decides what is
-    committed and what comes next, and returns how many of the queries stay in the sequence (with their K/V). The
-    executor runs the requests of many rows as one batched forward."""
+    """Plan-and-infill decisions for one prompt, stepped by the executor in three calls a forward: `request()` gives
+    the row's next forward (None when its answer is done); `score(logits)` reads the logits of that forward's
+    queries on the device and returns, as one small integer tensor, all that the host needs to decide; the executor
+    reads the tensors of all rows to the host at once, and `advance(values)` decides what is committed and what
+    comes next, and returns how many of the queries stay in the sequence (with their K/V). So a decode step waits
+    for the device once, however many rows it batches: slot status and every count the queries are built from are
+    known to the host, and the queries are built from them without reading the device."""
 
     MASKED, INFILLING, DONE = range(3)  # slot status
     PLAN, VERIFY, INFILL, REDRAFT, RECHECK, FINISHED = range(6)  # phase kinds; REDRAFT/RECHECK: the reference rule
@@ -876,7 +898,7 @@ class SlotDecoder:
         self.block = 0  # first slot of the block being decoded
         self.phase = self._next_step()
 
-    # ---- the loop: one forward a call ---------------------------------------------------------------------------
+    # ---- the loop: one forward a round of calls -----------------------------------------------------------------
     def request(self) -> Request | None:
         """The row's next forward: the pending stored tokens and the queries of the current phase (None when done)."""
         build = {
@@ -891,17 +913,32 @@ class SlotDecoder:
         self.forwards += 1
         return self.record.request(build(self.phase), recompute=not self.settings.use_cache)
 
-    def advance(self, logits: torch.Tensor) -> int:
-        """Read the logits of the last request's queries, decide, and move to the next phase; returns how many
-        leading queries of that request stay in the sequence."""
-        read = {
+    def score(self, logits: torch.Tensor) -> torch.Tensor:
+        """Read the logits of the last request's queries on the device; returns the 1-D long tensor of what the host
+        must know to decide (with the acceptance totals appended under `draft_schedule="price"`)."""
+        score = {
+            self.PLAN: self._score_plan,
+            self.VERIFY: self._score_verify,
+            self.INFILL: self._score_infill,
+            self.REDRAFT: self._score_redraft,
+            self.RECHECK: self._score_recheck,
+        }[self.phase.kind]
+        values = score(self.phase, logits)
+        return values if self.prices is None else torch.cat([values, self.profile.totals()])
+
+    def advance(self, values: list[int]) -> int:
+        """Decide from the host's copy of `score`'s tensor and move to the next phase; returns how many leading
+        queries of the last request stay in the sequence."""
+        if self.prices is not None:
+            values, self.profile.known = values[:-4], values[-4:]
+        decide = {
             self.PLAN: self._planned,
             self.VERIFY: self._verified,
             self.INFILL: self._infilled,
             self.REDRAFT: self._redrafted,
             self.RECHECK: self._rechecked,
         }[self.phase.kind]
-        self.phase = read(self.phase, logits)
+        self.phase = decide(self.phase, values)
         return self.record.kept
 
     def _next_step(self) -> Phase:
@@ -923,14 +960,15 @@ class SlotDecoder:
         self.step_ratios.append(size * (self.committed_slots - committed) / (self.forwards - forwards))
         return self._next_step()
 
-    def _infilling(self, state: Infilling | None) -> Phase:
-        """Go on completing `state`'s slots by the infill rule in force, or end the step when none is left."""
+    def _infilling(self, state: Infilling | None, eos: list[int] | None = None) -> Phase:
+        """Go on completing `state`'s slots by the infill rule in force, or end the step when none is left (the
+        reference rule commits them all at its end, `eos` being their EOS offsets)."""
         if state is None:
             return self._step_done()
         if self.settings.infill_mode != "reference":
             return Phase(self.INFILL, state=state)
-        if not (state.counts < self.settings.slot_size).any():
-            self._settle(state)
+        if all(count >= self.settings.slot_size for count in state.counts):
+            self._settle(state, eos)
             return self._step_done()
         return Phase(self.REDRAFT, state=state)
 
@@ -945,21 +983,27 @@ class SlotDecoder:
         phase.read["index"] = index
         return self._causal(torch.full_like(index, self.settings.mask_token_id), index)
 
-    def _planned(self, phase: Phase, logits: torch.Tensor) -> Phase:
-        """Keep the drafts; choose the slots to decode by their first draft's confidence."""
+    def _score_plan(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
+        """Keep the drafts; choose the slots to decode by their first draft's confidence (and, for one-token slots,
+        which drafts are EOS)."""
         index = phase.read["index"]
         tokens, probabilities = self._pick(logits, index)
         self.drafts[index] = tokens
         chosen = choose_slots(probabilities.view(len(phase.slots), -1)[:, 0], self.settings.slot_threshold)
-        chosen = [slot for slot, keep in zip(phase.slots, chosen.tolist()) if keep]
+        if self.settings.slot_size > 1:
+            return chosen.long()
+        return torch.cat([chosen.long(), torch.isin(tokens, self.eos).long()])
+
+    def _planned(self, phase: Phase, values: list[int]) -> Phase:
+        slots = len(phase.slots)
+        chosen = [slot for slot, keep in zip(phase.slots, values[:slots]) if keep]
         if self.settings.slot_size > 1:
             return Phase(self.VERIFY, slots=chosen)
-        # one-token slots: nothing to check, a slot's only token always passes
-        tokens = self.drafts[self._slot_index(chosen)]
-        counts = torch.ones(len(chosen), dtype=torch.long, device=self.device)
-        eos = eos_offsets(tokens, counts, self.eos).tolist()
-        leading = leading_complete(counts.tolist(), eos, 1)
-        self._commit_run(chosen[:leading], tokens[:leading], eos[:leading], computed=False)
+        # one-token slots: nothing to check, a slot's only token always passes; the run ends at the first EOS
+        eos = [0 if is_eos else 1 for is_eos, keep in zip(values[slots:], values[:slots]) if keep]
+        leading = leading_complete([1] * len(chosen), eos, 1)
+        tokens = self.drafts[self._slot_index(chosen[:leading])]
+        self._commit_run(chosen[:leading], tokens, eos[:leading], computed=False)
         return self._step_done()
 
     # ---- verify -----------------------------------------------------------------------------------------------
@@ -971,44 +1015,48 @@ class SlotDecoder:
         phase.read.update(index=index, tokens=tokens, width=width)
         return self._causal(tokens[:, :width].flatten(), index[:, :width].flatten())
 
-    def _verified(self, phase: Phase, logits: torch.Tensor) -> Phase:
-        """Commit the leading complete slots with this forward's K/V; infill the other chosen slots."""
-        chosen, index, tokens, width = phase.slots, phase.read["index"], phase.read["tokens"], phase.read["width"]
-        size = self.settings.slot_size
-        counts = torch.ones(len(chosen), dtype=torch.long, device=self.device)
+    def _score_verify(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
+        """Check the drafts: each slot's accepted length and EOS offset and, for the fast rule, the tokens and counts
+        it goes on with (the model's own token at the first rejected draft, redrafts after it) and their EOS."""
+        read, size = phase.read, self.settings.slot_size
+        index, tokens, width, slots = read["index"], read["tokens"], read["width"], len(phase.slots)
         until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
         scored = ((self.offsets > 0) & (self.offsets < until)).expand_as(tokens)
-        rows = logits.view(len(chosen), width, -1)[:, : until - 1].reshape(-1, logits.shape[-1])
-        ar_tokens, ar_probability = self._ar_check(rows, tokens, index, scored)
+        at = (torch.arange(slots, device=self.device)[:, None] * size + self.offsets[1:until]).flatten()
+        rows = logits.view(slots, width, -1)[:, : until - 1].reshape(-1, logits.shape[-1])
+        ar_tokens, ar_probability = self._ar_check(rows, tokens, index, at)
         accepted = accepted_lengths(
             (self.offsets == 0) | (scored & passes(ar_probability, self.settings.token_threshold))
         )
         self.profile.add(AcceptanceProfile.PLAN, scored, accepted)
-        eos = eos_offsets(tokens, accepted, self.eos)
-        accepted_list, eos_list = torch.stack([accepted, eos]).tolist()
-        leading = leading_complete(accepted_list, eos_list, size) if width == size else 0  # else not all computed
-        self._commit_run(chosen[:leading], tokens[:leading], eos_list[:leading], computed=True)
-        rest, groups = slice(leading, None), self._new_groups(len(chosen) - leading)
+        values = [accepted, eos_offsets(tokens, accepted, self.eos)]
+        if self.settings.infill_mode != "reference":
+            counts = torch.ones_like(accepted)
+            redrafts = tokens if self.settings.fused_redraft else ar_tokens  # fused: keep the plan's drafts
+            read["tokens"], counts = accept_and_correct(
+                tokens, counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold,
+                torch.full_like(counts, until),
+            )  # fmt: skip
+            values += [counts, eos_offsets(read["tokens"], counts, self.eos)]
+        return torch.cat(values)
+
+    def _verified(self, phase: Phase, values: list[int]) -> Phase:
+        """Commit the leading complete slots with this forward's K/V; infill the other chosen slots."""
+        chosen, read, size = phase.slots, phase.read, self.settings.slot_size
+        slots = len(chosen)
+        accepted, eos = values[:slots], values[slots : 2 * slots]
+        leading = leading_complete(accepted, eos, size) if read["width"] == size else 0  # else not all computed
+        self._commit_run(chosen[:leading], read["tokens"][:leading], eos[:leading], computed=True)
+        groups = self._new_groups(slots - leading)
         if self.settings.infill_mode == "reference":
             if leading:  # the other chosen slots return to [MASK] and are planned again
                 return self._step_done()
-            return self._infilling(
-                Infilling(chosen, tokens, accepted, torch.zeros_like(counts), groups, len(self.record))
-            )
-        redrafts = tokens[rest] if self.settings.fused_redraft else ar_tokens[rest]  # fused: keep the plan's drafts
-        new_tokens, new_counts = accept_and_correct(
-            tokens[rest],
-            counts[rest],
-            ar_probability[rest],
-            ar_tokens[rest],
-            redrafts,
-            self.settings.token_threshold,
-            torch.full_like(counts[rest], until),
-        )
-        stored = torch.zeros_like(new_counts)
-        return self._infilling(
-            self._settle(Infilling(chosen[rest], new_tokens, new_counts, stored, groups, len(self.record)))
-        )
+            state = Infilling(chosen, read["tokens"], accepted, [0] * slots, groups, len(self.record))
+            return self._infilling(state, eos)
+        counts, eos = values[2 * slots + leading : 3 * slots], values[3 * slots + leading :]
+        state = Infilling(chosen[leading:], read["tokens"][leading:], counts, [0] * len(counts), groups,
+                          len(self.record))  # fmt: skip
+        return self._infilling(self._settle(state, eos))
 
     # ---- infill, fast rule ------------------------------------------------------------------------------------
     def _infill_queries(self, phase: Phase) -> Queries:
@@ -1017,41 +1065,46 @@ class SlotDecoder:
         rejected one, and the rest are redrafted from the same forward."""
         state = phase.state
         window = self._infill_window(state)
-        fused = self.settings.fused_redraft and window > 0  # no drafts, nothing to redraft
-        index, fresh, queried, checked, until = self._infill_layout(state, window)
-        parts = [self._grouped(state, index, fresh, state.tokens, state.groups)]
-        if fused:
-            mask_groups = self._new_groups(len(state.slots))
+        layout = self._infill_layout(state, window)
+        groups = upload(state.groups, self.device)
+        parts = [self._grouped(state, layout["fresh"], state.tokens, groups)]
+        if self.settings.fused_redraft and window > 0:  # with no drafts there is nothing to redraft
             masks = torch.full_like(state.tokens, self.settings.mask_token_id)
-            parts.append(self._grouped(state, index, checked, masks, mask_groups, parents=state.groups))
-        parts.append(self._grouped(state, index, queried, state.tokens, state.groups))
-        phase.read.update(index=index, fresh=fresh, queried=queried, checked=checked, until=until, parts=parts)
+            mask_groups = upload(self._new_groups(len(state.slots)), self.device)
+            parts.append(self._grouped(state, layout["checked"], masks, mask_groups, parents=groups))
+        parts.append(self._grouped(state, layout["queried"], state.tokens, groups))
+        phase.read.update(layout, parts=parts)
         return Queries.cat(parts)
 
-    def _infilled(self, phase: Phase, logits: torch.Tensor) -> Phase:
+    def _score_infill(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
+        """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
         state, read = phase.state, phase.read
-        index, fresh, queried, checked, until, parts = (
-            read[name] for name in ("index", "fresh", "queried", "checked", "until", "parts")
-        )
-        self.record.keep(parts[0])
+        index, fresh, queried, checked = (read[name] for name in ("index", "fresh", "queried", "checked"))
+        parts = read["parts"]
         num_fresh, num_queried = len(parts[0]), len(parts[-1])
         row_of = torch.zeros_like(index)
-        row_of[fresh] = torch.arange(num_fresh, device=self.device)
-        row_of[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
+        row_of.view(-1)[fresh] = torch.arange(num_fresh, device=self.device)
+        row_of.view(-1)[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
-        ar_tokens, ar_probability = self._ar_check(logits[source[checked]], state.tokens, index, checked)
+        ar_tokens, ar_probability = self._ar_check(logits[source.flatten()[checked]], state.tokens, index, checked)
         redrafts = ar_tokens
         if len(parts) == 3:  # fused: the [MASK] queries' drafts
             mask_rows = logits[num_fresh : len(logits) - num_queried]
             redrafts = state.tokens.clone()
-            redrafts[checked] = self._pick(mask_rows, index[checked], state.tokens, checked)[0]
-        run_end = first_rejected(state.counts, ar_probability, self.settings.token_threshold, until)
-        self.profile.add(AcceptanceProfile.REDRAFT, checked, run_end)
-        tokens, counts = accept_and_correct(
-            state.tokens, state.counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
+            redrafts.view(-1)[checked] = self._pick(mask_rows, index.flatten()[checked], state.tokens, checked)[0]
+        counts, until = read["counts"], read["until"]
+        run_end = first_rejected(counts, ar_probability, self.settings.token_threshold, until)
+        self.profile.add(AcceptanceProfile.REDRAFT, read["checked_mask"], run_end)
+        read["tokens"], counts = accept_and_correct(
+            state.tokens, counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
         )
-        state.stored, state.tokens, state.counts = state.counts, tokens, counts
-        return self._infilling(self._settle(state))
+        return torch.cat([counts, eos_offsets(read["tokens"], counts, self.eos)])
+
+    def _infilled(self, phase: Phase, values: list[int]) -> Phase:
+        state, slots = phase.state, len(phase.state.slots)
+        self.record.keep(phase.read["parts"][0])
+        state.stored, state.tokens, state.counts = state.counts, phase.read["tokens"], values[:slots]
+        return self._infilling(self._settle(state, values[slots:]))
 
     # ---- infill, the authors' rule ------------------------------------------------------------------------------
     # A round of two forwards over the slots not yet complete: the unaccepted positions are redrafted by `[MASK]`
@@ -1059,46 +1112,59 @@ class SlotDecoder:
     # accepted unchecked. After each round the first slot with an accepted EOS completes and the slots after it are
     # dropped. All slots are committed together at the end.
     def _redraft_queries(self, phase: Phase) -> Queries:
-        state = phase.state
+        state, size = phase.state, self.settings.slot_size
         index = self._slot_index(state.slots)
-        live = (state.counts < self.settings.slot_size)[:, None].expand_as(index)
+        counts = upload(state.counts, self.device)
+        live_rows = sum(count < size for count in state.counts)
+        live = positions((counts < size)[:, None].expand_as(index), live_rows * size)
         row_of = torch.zeros_like(index)
-        row_of[live] = torch.arange(int(live.sum()), device=self.device)
-        drafting = self.offsets >= state.counts[:, None]
-        masked = torch.where(drafting, self.settings.mask_token_id, state.tokens)
-        phase.read.update(index=index, live=live, row_of=row_of, drafting=drafting)
-        return self._grouped(state, index, live, masked, self._new_groups(len(state.slots)))
+        row_of.view(-1)[live] = torch.arange(live_rows * size, device=self.device)
+        drafting_mask = self.offsets >= counts[:, None]
+        drafting = positions(drafting_mask, sum(size - count for count in state.counts))
+        masked = torch.where(drafting_mask, self.settings.mask_token_id, state.tokens)
+        phase.read.update(index=index, counts=counts, live=live, row_of=row_of, drafting=drafting)
+        return self._grouped(state, live, masked, upload(self._new_groups(len(state.slots)), self.device))
 
-    def _redrafted(self, phase: Phase, logits: torch.Tensor) -> Phase:
+    def _score_redraft(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         state, read = phase.state, phase.read
         drafting, index = read["drafting"], read["index"]
         tokens = state.tokens.clone()
-        tokens[drafting] = self._pick(logits[read["row_of"][drafting]], index[drafting], state.tokens, drafting)[0]
+        picked = self._pick(logits[read["row_of"].flatten()[drafting]], index.flatten()[drafting], state.tokens,
+                            drafting)[0]  # fmt: skip
+        tokens.view(-1)[drafting] = picked
         read["tokens"] = tokens
-        return Phase(self.RECHECK, state=state, read=read)
+        return tokens.new_zeros(0)  # nothing for the host: the check comes next
+
+    def _redrafted(self, phase: Phase, values: list[int]) -> Phase:
+        return Phase(self.RECHECK, state=phase.state, read=phase.read)
 
     def _recheck_queries(self, phase: Phase) -> Queries:
         state, read = phase.state, phase.read
-        return self._grouped(state, read["index"], read["live"], read["tokens"], self._new_groups(len(state.slots)))
+        groups = upload(self._new_groups(len(state.slots)), self.device)
+        return self._grouped(state, read["live"], read["tokens"], groups)
 
-    def _rechecked(self, phase: Phase, logits: torch.Tensor) -> Phase:
-        state, read = phase.state, phase.read
-        index, tokens, drafting, row_of = read["index"], read["tokens"], read["drafting"], read["row_of"]
-        size = self.settings.slot_size
-        scored = drafting & (self.offsets > state.counts[:, None])  # by the checked position before it
+    def _score_recheck(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
+        """Accept by the authors' rule: each slot's new count and EOS offset."""
+        state, read, size = phase.state, phase.read, self.settings.slot_size
+        index, tokens, counts, row_of = read["index"], read["tokens"], read["counts"], read["row_of"]
+        scored_mask = self.offsets > counts[:, None]  # by the checked position before it
+        scored = positions(scored_mask, sum(max(size - count - 1, 0) for count in state.counts))
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
-        _, ar_probability = self._ar_check(logits[source[scored]], tokens, index, scored)
-        state.tokens = tokens
-        state.counts = accept_reference(state.counts, ar_probability, self.settings.token_threshold)
-        self.profile.add(AcceptanceProfile.REDRAFT, scored, state.counts)
-        eos = eos_offsets(tokens, state.counts, self.eos)
-        ended = (eos < state.counts).nonzero()[:, 0].tolist()
-        if ended:
-            first = ended[0]
-            state.counts[first] = size
-            self._stop_at(state.slots[first] * size + int(eos[first]) + 1)
-            state = state.select(list(range(first + 1)))
-        return self._infilling(state)
+        _, ar_probability = self._ar_check(logits[source.flatten()[scored]], tokens, index, scored)
+        counts = accept_reference(counts, ar_probability, self.settings.token_threshold)
+        self.profile.add(AcceptanceProfile.REDRAFT, scored_mask, counts)
+        return torch.cat([counts, eos_offsets(tokens, counts, self.eos)])
+
+    def _rechecked(self, phase: Phase, values: list[int]) -> Phase:
+        state, size = phase.state, self.settings.slot_size
+        slots = len(state.slots)
+        state.tokens, state.counts, eos = phase.read["tokens"], values[:slots], values[slots:]
+        ended = next((row for row in range(slots) if eos[row] < state.counts[row]), None)
+        if ended is not None:  # the first slot with an accepted EOS completes; the slots after it are dropped
+            state.counts[ended] = size
+            self._stop_at(state.slots[ended] * size + eos[ended] + 1)
+            state, eos = state.select(list(range(ended + 1))), eos[: ended + 1]
+        return self._infilling(state, eos)
 
     # ---- results -----------------------------------------------------------------------------------------------
     def frontier(self) -> int:
@@ -1116,10 +1182,11 @@ class SlotDecoder:
         return answer.masked_fill(after_end, self.settings.pad_token_id)
 
     # ---- scoring -----------------------------------------------------------------------------------------------
-    def _probabilities(self, rows, targets, slot_tokens=None, where=None):
+    def _probabilities(self, rows, targets, slot_tokens=None, at=None):
         """Token distributions of logit `rows` after the processors. `targets`: the answer index each row scores. A
         processor that reads the tokens before a position sees the prompt, the committed answer and, with
-        `slot_tokens` (`[slots, size]`) and `where` (the positions the rows score, row-major), the slot's tokens."""
+        `slot_tokens` (`[slots, size]`) and `at` (the flat positions in it that the rows score), the slot's tokens
+        (such processors read the targets to the host)."""
         rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
         if self.processors and self.context_free:
             rows = self.processors(self.prompt[None].expand(rows.shape[0], -1), rows)
@@ -1129,7 +1196,7 @@ class SlotDecoder:
                 size = self.settings.slot_size
                 columns = (targets - targets % size)[:, None] + self.offsets
                 before = self.offsets < (targets % size)[:, None]
-                known = slot_tokens[where.nonzero()[:, 0]]
+                known = slot_tokens[at // size]
                 context.scatter_(1, columns, torch.where(before, known, context.gather(1, columns)))
             scores = torch.empty_like(rows)
             for target in targets.unique().tolist():
@@ -1139,72 +1206,69 @@ class SlotDecoder:
             rows = scores
         return rows.softmax(dim=-1)
 
-    def _pick(self, rows, targets, slot_tokens=None, where=None):
+    def _pick(self, rows, targets, slot_tokens=None, at=None):
         """A draft token for every logit row, and its probability."""
-        probabilities = self._probabilities(rows, targets, slot_tokens, where)
+        probabilities = self._probabilities(rows, targets, slot_tokens, at)
         return pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
 
-    def _ar_check(self, rows, tokens, index, where):
-        """`rows[j]`: the logits scoring the j-th `where` position (row-major) of the slots' `tokens`. Returns the
-        model's own token at each position and the probability of `tokens` there (1 elsewhere)."""
-        probabilities = self._probabilities(rows, index[where], tokens, where)
+    def _ar_check(self, rows, tokens, index, at):
+        """`rows[j]`: the logits scoring the slots' `tokens` at flat position `at[j]`. Returns the model's own token at
+        each position and the probability of `tokens` there (1 elsewhere)."""
+        probabilities = self._probabilities(rows, index.flatten()[at], tokens, at)
         own, _ = pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
         ar_tokens = tokens.clone()
-        ar_tokens[where] = own
+        ar_tokens.view(-1)[at] = own
         ar_probability = torch.ones(tokens.shape, dtype=probabilities.dtype, device=self.device)
-        drafts = tokens[where]
+        drafts = tokens.flatten()[at]
         drafted = probabilities.gather(-1, drafts[:, None])[:, 0]
-        ar_probability[where] = drafted.masked_fill(drafts == self.settings.mask_token_id, -1)  # not drafted
+        ar_probability.view(-1)[at] = drafted.masked_fill(drafts == self.settings.mask_token_id, -1)  # not drafted
         return ar_tokens, ar_probability
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
-    def _settle(self, state: Infilling) -> Infilling | None:
-        """Apply accepted EOS tokens (the answer ends at the first; later slots are dropped) and commit the slots
-        that are complete; return the rest (None when none is left)."""
+    def _settle(self, state: Infilling, eos: list[int]) -> Infilling | None:
+        """Apply accepted EOS tokens (at offsets `eos`, `slot_size` where none; the answer ends at the first, later
+        slots are dropped) and commit the slots that are complete; return the rest (None when none is left)."""
         size = self.settings.slot_size
-        eos = eos_offsets(state.tokens, state.counts, self.eos)
-        counts, eos_list = torch.stack([state.counts, eos]).tolist()
-        for slot, offset in zip(state.slots, eos_list):
+        for slot, offset in zip(state.slots, eos):
             if offset < size:
                 self._stop_at(slot * size + offset + 1)
-        stored = state.stored.tolist()
         rest = []
         for row, slot in enumerate(state.slots):
             if self.status[slot] == self.DONE:
                 continue
-            if counts[row] < size and eos_list[row] >= counts[row]:
+            count, stored = state.counts[row], state.stored[row]
+            if count < size and eos[row] >= count:
                 self.status[slot] = self.INFILLING
                 rest.append(row)
                 continue
-            length = min(eos_list[row] + 1, size)
+            length = min(eos[row] + 1, size)
             index = slot * size + self.offsets[:length]
             tokens = state.tokens[row, :length]
             self.answer[index] = tokens
             self.status[slot] = self.DONE
             self.committed_slots += 1
-            if length > stored[row]:  # the tokens not yet stored join the sequence in the slot's group
-                fresh = slice(stored[row], length)
-                group = int(state.groups[row])
-                self.record.append(self._in_group(tokens[fresh], index[fresh], state.prefix, group))
+            if length > stored:  # the tokens not yet stored join the sequence in the slot's group
+                self.record.append(self._in_group(tokens[stored:], index[stored:], state.prefix, state.groups[row]))
         self._watch()
         return state.select(rest) if rest else None
 
     def _commit_run(self, slots: list[int], tokens: torch.Tensor, eos: list[int], computed: bool) -> None:
         """Commit the slots as one causal run (the verify run's leading slots), each up to its EOS (at offset
-        `eos[i]`, `slot_size` when none), with the K/V of the forward just run when `computed`."""
+        `eos[i]`, `slot_size` when none; only the last slot of a run can hold one, as an EOS ends the answer), with
+        the K/V of the forward just run when `computed`."""
         if not slots:
             return
         size = self.settings.slot_size
-        lengths = torch.tensor([min(offset + 1, size) for offset in eos], device=self.device)
-        keep = self.offsets < lengths[:, None]
-        index = self._slot_index(slots)
-        self.answer[index[keep]] = tokens[keep]
+        length = size * (len(slots) - 1) + min(eos[-1] + 1, size)
+        index = self._slot_index(slots).flatten()[:length]
+        run = tokens.flatten()[:length]
+        self.answer[index] = run
         self.committed_slots += len(slots)
         for slot, offset in zip(slots, eos):
             self.status[slot] = self.DONE
             if offset < size:
                 self._stop_at(slot * size + offset + 1)
-        run = self._causal(tokens[keep], index[keep])
+        run = self._causal(run, index)
         self.record.keep(run) if computed else self.record.append(run)
         self._watch()
 
@@ -1235,7 +1299,8 @@ class SlotDecoder:
         `draft_schedule="price"` the number up to it that earns most per price."""
         if self.prices is None:
             return self.settings.draft_window or self.settings.slot_size
-        return self._priced_window(len(state.slots), int((state.counts - state.stored).sum()))
+        fresh = sum(count - stored for count, stored in zip(state.counts, state.stored))
+        return self._priced_window(len(state.slots), fresh)
 
     def _priced_window(self, slots: int, fresh: int) -> int:
         """The drafts per slot that earn most per price in an infill round of `slots` slots bringing `fresh` tokens;
@@ -1249,24 +1314,39 @@ class SlotDecoder:
         """Whether `slots` chosen slots would take drafts into their verify forward or their first infill round."""
         return self._verify_width(slots) > 1 or self._priced_window(slots, slots) > 0
 
-    def _infill_layout(self, state: Infilling, window: int):
-        """Where the tokens of an infill round go: `fresh` accepted tokens not yet stored, drafts `queried` in the
-        forward, and the positions `checked` by it (below `until`): the first draft by the last fresh token, each
-        later one by the draft before it. At most `window` drafts are queried; the last position of a slot scores
-        nothing in it, so its draft is never queried."""
-        index, size = self._slot_index(state.slots), self.settings.slot_size
-        until = (state.counts + window + 1).clamp(max=size)
-        fresh = (self.offsets >= state.stored[:, None]) & (self.offsets < state.counts[:, None])
-        checked = (self.offsets >= state.counts[:, None]) & (self.offsets < until[:, None])
-        queried = checked & (self.offsets < until[:, None] - 1)
-        return index, fresh, queried, checked, until
+    def _infill_layout(self, state: Infilling, window: int) -> dict:
+        """Where the tokens of an infill round go, as flat positions in `[slots, slot_size]`: `fresh` accepted tokens
+        not yet stored, drafts `queried` in the forward, and the positions `checked` by it (below `until`): the first
+        draft by the last fresh token, each later one by the draft before it. At most `window` drafts are queried;
+        the last position of a slot scores nothing in it, so its draft is never queried. The sizes come from the
+        host's counts, so finding the positions does not wait for the device."""
+        size = self.settings.slot_size
+        until = [min(count + window + 1, size) for count in state.counts]  # > count: an infilling slot is open
+        counts, stored = upload(state.counts, self.device), upload(state.stored, self.device)
+        ends = upload(until, self.device)
+        fresh = (self.offsets >= stored[:, None]) & (self.offsets < counts[:, None])
+        checked = (self.offsets >= counts[:, None]) & (self.offsets < ends[:, None])
+        queried = checked & (self.offsets < ends[:, None] - 1)
+        num_checked = sum(end - count for end, count in zip(until, state.counts))
+        return dict(
+            index=self._slot_index(state.slots),
+            fresh=positions(fresh, sum(count - kept for count, kept in zip(state.counts, state.stored))),
+            checked=positions(checked, num_checked),
+            queried=positions(queried, num_checked - len(state.slots)),
+            checked_mask=checked,
+            counts=counts,
+            until=ends,
+        )
 
-    def _grouped(self, state, index, where, tokens, groups, parents=None) -> Queries:
-        """The `where` tokens of the infilling slots, each seeing the sequence before `state.prefix` and its group."""
-        ids = tokens[where]
-        group_of = groups[:, None].expand_as(index)[where]
-        parent_of = torch.full_like(ids, NO_GROUP) if parents is None else parents[:, None].expand_as(index)[where]
-        return Queries(ids, index[where] + self.prompt.shape[0], torch.full_like(ids, state.prefix), group_of,
+    def _grouped(self, state, at, tokens, groups, parents=None) -> Queries:
+        """The tokens at flat positions `at` of the infilling slots' `tokens` (`[slots, slot_size]`), each seeing the
+        sequence before `state.prefix` and its slot's group (`groups`, one per slot, on the device)."""
+        size = self.settings.slot_size
+        rows = at // size
+        ids = tokens.flatten()[at]
+        answer_index = upload(state.slots, self.device)[rows] * size + at % size
+        parent_of = torch.full_like(ids, NO_GROUP) if parents is None else parents[rows]
+        return Queries(ids, answer_index + self.prompt.shape[0], torch.full_like(ids, state.prefix), groups[rows],
                        parent_of)  # fmt: skip
 
     def _in_group(self, ids, index, prefix: int, group: int) -> Queries:
@@ -1278,15 +1358,15 @@ class SlotDecoder:
 
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """Answer indices of the tokens of `slots`, shape `[len(slots), slot_size]`."""
-        return torch.tensor(slots, device=self.device)[:, None] * self.settings.slot_size + self.offsets
+        return upload(slots, self.device)[:, None] * self.settings.slot_size + self.offsets
 
     def _new_group(self) -> int:
         self.next_group += 1
         return self.next_group - 1
 
-    def _new_groups(self, count: int) -> torch.Tensor:
+    def _new_groups(self, count: int) -> list[int]:
         self.next_group += count
-        return torch.arange(self.next_group - count, self.next_group, device=self.device)
+        return list(range(self.next_group - count, self.next_group))
 
 
 # ---- many rows: one batched forward per step -----------------------------------------------------------------------
@@ -1368,7 +1448,7 @@ class CacheLayout:
         """The rows of the next forward's batch: the `live` ones (the cache drops the others)."""
         if live != self.rows and self.cache is not None:
             keep = [self.rows.index(row) for row in live]
-            self.cache.batch_select_indices(torch.tensor(keep, device=self.ranks.device))
+            self.cache.batch_select_indices(upload(keep, self.ranks.device))
             self.ranks, self.groups = self.ranks[keep], self.groups[keep]
         self.rows = live
         return live
@@ -1386,7 +1466,7 @@ class CacheLayout:
         width = batch["ids"].shape[1]
         kept_ends = [width - size + count for size, count in zip(sizes, kept)]
         end = max(kept_ends)
-        keep = torch.arange(end, device=self.ranks.device) < torch.tensor(kept_ends, device=self.ranks.device)[:, None]
+        keep = torch.arange(end, device=self.ranks.device) < upload(kept_ends, self.ranks.device)[:, None]
         self.ranks = torch.cat([self.ranks, batch["ranks"][:, :end].masked_fill(~keep, NEVER)], dim=1)
         self.groups = torch.cat([self.groups, batch["groups"][:, :end]], dim=1)
         self.cache.crop(end - width)
@@ -1412,7 +1492,7 @@ class StaticLayout:
                 f"The static cache ({self.cache.max_cache_len} columns) is too short for this forward: a row has "
                 f"{max(self.pointers)} stored tokens and {width} new ones. This is a bug in sizing the cache."
             )
-        pointers, lengths = torch.tensor([self.pointers, sizes], device=device)
+        pointers, lengths = upload([self.pointers, sizes], device)
         columns = pointers[:, None] + (torch.arange(width, device=device) + lengths[:, None]) % width
         self.cache.columns = columns
         self.groups.scatter_(1, columns, batch["groups"])
@@ -1489,13 +1569,20 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
         num_logits = max(request.num_queries for request in batch_requests if request)
         logits = run_model(model, compiled, batch, mask, cache, num_logits)
         forwards += 1
-        kept = []
-        for position, (row, request) in enumerate(zip(rows, batch_requests)):
+        scores = [
+            decoders[row].score(logits[position, num_logits - request.num_queries :]) if request else None
+            for position, (row, request) in enumerate(zip(rows, batch_requests))
+        ]
+        read = [score for score in scores if score is not None and score.shape[0]]
+        values = torch.cat(read).tolist() if read else []  # the step's one wait for the device
+        kept, start = [], 0
+        for row, request, score in zip(rows, batch_requests, scores):
             if request is None:
                 kept.append(0)
                 continue
-            decoder = decoders[row]
-            queries_kept = decoder.advance(logits[position, num_logits - request.num_queries :])
+            decoder, end = decoders[row], start + score.shape[0]
+            queries_kept = decoder.advance(values[start:end])
+            start = end
             requests[row] = decoder.request()
             kept.append(len(request) - request.num_queries + queries_kept)
         layout.keep(batch, sizes, kept)

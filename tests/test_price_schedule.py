@@ -84,11 +84,14 @@ def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
     assert [noisy(width) for width in (1, 8, 16, 32, 64)] == [6.5, 6.5, 6.5, 6.5, 9.8]
 
 
-def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks():
+def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks_the_host_read():
     profile = AcceptanceProfile(4, "cpu")
     assert profile.rate(AcceptanceProfile.PLAN) == 0.5
     checked = torch.tensor([[False, True, True, True]])
     profile.add(AcceptanceProfile.PLAN, checked, torch.tensor([3]))  # offsets 1, 2 pass, 3 fails
+    assert profile.rate(AcceptanceProfile.PLAN) == 0.5  # the host has not read the check yet
+    profile.known = profile.totals().tolist()
+    assert profile.known == [3, 2, 0, 0]
     assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx((2 + 1) / (3 + 2))
     assert profile.rate(AcceptanceProfile.REDRAFT) == 0.5
 

@@ -1,0 +1,85 @@
+"""A decode step waits for the device once: the decoder reads what it must decide from to the host as one small
+tensor per batched forward, however many rows the batch holds, and builds the next forward's queries from counts the
+host already knows. Counted with a torch function mode that sees every operation that copies a tensor's values to
+the host (on a GPU, each is a wait for the queued kernels)."""
+
+import pytest
+import torch
+from test_batching import PROMPTS, left_padded
+from test_generation import sharpened_model
+from torch.overrides import TorchFunctionMode
+
+import generation_refusion
+
+HOST_READS = {
+    torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
+    torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero, torch.unique, torch.Tensor.unique,
+    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.cpu, torch.Tensor.numpy,
+}  # fmt: skip
+
+
+class HostReads(TorchFunctionMode):
+    """Counts operations that read tensor values to the host, boolean-mask indexing included (its size is data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.count += 1
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.count += any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in index)
+        return func(*args, **(kwargs or {}))
+
+
+SETTINGS = {
+    "fast": dict(slot_size=4, slot_threshold=0.5, token_threshold=0.4),
+    "fused, window": dict(slot_size=8, block_length=16, slot_threshold=0.3, token_threshold=0.3, fused_redraft=True,
+                          draft_window=2),
+    "reference": dict(slot_size=4, slot_threshold=0.5, token_threshold=0.4, infill_mode="reference"),
+    "one-token slots": dict(slot_size=1, slot_threshold=0.5, token_threshold=0.4),
+    "priced": dict(slot_size=4, slot_threshold=0.5, token_threshold=0.4, draft_schedule="price",
+                   forward_prices={1: 1.0, 4: 1.5, 16: 4.0}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharpened_model("qwen2", scale=4.0)
+
+
+def test_the_counter_sees_boolean_indexing_and_tolist():
+    x = torch.arange(6)
+    with HostReads() as reads:
+        x[x > 2]
+        x[torch.tensor([0, 1])]
+        x.tolist()
+    assert reads.count == 2
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_each_decode_step_reads_the_device_at_most_once(model, monkeypatch, name, cache_implementation, batch):
+    counted = {}
+    execute = generation_refusion.execute
+
+    def counted_execute(*args, **kwargs):
+        with HostReads() as reads:
+            forwards = execute(*args, **kwargs)
+        counted.update(reads=reads.count, forwards=forwards)
+        return forwards
+
+    monkeypatch.setattr(generation_refusion, "execute", counted_execute)
+    ids, mask = left_padded(PROMPTS[:batch])
+    output = model.generate(
+        ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[], pad_token_id=0, return_dict_in_generate=True,
+        cache_implementation=cache_implementation, **SETTINGS[name],
+    )  # fmt: skip
+    assert counted["forwards"] == output.num_forward_passes > 1
+    # one read after every forward whose logits decide anything (the reference rule's redraft decides nothing)
+    assert 0 < counted["reads"] <= counted["forwards"]
+    if name != "reference":
+        assert counted["reads"] == counted["forwards"]
