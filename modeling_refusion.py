@@ -26,10 +26,12 @@ try:
     from .configuration_refusion import RefusionConfig
     from .generation_refusion import RefusionGenerateOutput, check_model, documents_settings, write_custom_generate
     from .generation_refusion import generate as slot_generate
+    from .kernels_refusion import prepack_linears, unpack_linears
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from configuration_refusion import RefusionConfig
     from generation_refusion import RefusionGenerateOutput, check_model, documents_settings, write_custom_generate
     from generation_refusion import generate as slot_generate
+    from kernels_refusion import prepack_linears, unpack_linears
 
 IGNORE_INDEX = -100
 
@@ -220,6 +222,21 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_custom_generate(save_directory)
+
+    def prepack_linears(self, dtypes=None) -> int:
+        """On a CPU, make the linear layers compute inference forwards through oneDNN with prepacked weights, for the
+        dtypes and widths where that measured faster on this kind of CPU (`kernels_refusion.packing_plan()`:
+        bfloat16 with AMX, float32 from 4 rows with AVX-512 and from 1 row with AVX2), or as `dtypes` says. Parameter
+        names, `state_dict()` and saved files stay as they are; the logits equal the plain ones to float rounding;
+        each packed weight is a second copy in memory. Call it after the model's last `.to(...)`, and again after
+        changing weights in place. Returns how many layers compute packed (0 off a CPU or without oneDNN)."""
+        if self.device.type != "cpu":
+            return 0
+        return prepack_linears(self, dtypes)
+
+    def unpack_linears(self) -> int:
+        """Undo `prepack_linears`: plain linear layers again, packed copies freed. Returns how many were packed."""
+        return unpack_linears(self)
 
     @torch.no_grad()
     @documents_settings

@@ -35,7 +35,7 @@ from recipe.decoding import (
     decode,
     decode_compiled_ar,
 )
-from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
+from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
     "What is the capital of Japan?",
@@ -83,7 +83,7 @@ def main() -> None:
         f"[reload]  {output_dir} as {type(model).__module__}.{type(model).__name__} "
         f"in {model.dtype} ({time.perf_counter() - start:.1f} s)"
     )
-    packed = prepare_for_decoding(model)
+    packed = model.prepack_linears()  # the decoding policy's kernels, from the Hub files
     print(f"[kernels] {packed} linear layers of ReFusion through oneDNN with prepacked weights (decoding policy)")
 
     prompt_ids = prompt_token_ids(tokenizer, PROMPTS)

@@ -15,7 +15,8 @@ sys.path.append({site_packages!r})
 
 class RefuseProject(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {{"finetune", "configuration_refusion", "modeling_refusion", "generation_refusion"}}:
+        if name.split(".")[0] in {{"finetune", "configuration_refusion", "modeling_refusion", "generation_refusion",
+                                  "kernels_refusion"}}:
             raise ImportError(f"{{name}} must not be needed by a Hub user")
 
 sys.meta_path.insert(0, RefuseProject())

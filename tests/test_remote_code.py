@@ -5,6 +5,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 from hub_user import run_as_hub_user
 from tiny import tiny_backbone, tiny_tokenizer
@@ -12,7 +13,7 @@ from tiny import tiny_backbone, tiny_tokenizer
 from finetune.convert import convert_to_refusion, save_refusion
 
 ROOT = Path(__file__).resolve().parents[1]
-HUB_FILES = ("configuration_refusion.py", "modeling_refusion.py", "generation_refusion.py")
+HUB_FILES = ("configuration_refusion.py", "modeling_refusion.py", "generation_refusion.py", "kernels_refusion.py")
 
 HUB_USER = """
 import torch
@@ -56,6 +57,44 @@ def test_converted_folder_loads_with_only_torch_and_transformers(tmp_path):
     assert report["optional_imports"] == []
 
 
+PACKING_HUB_USER = """
+import torch
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True, dtype=torch.float32)
+prompt = torch.tensor([[5, 6, 7, 8, 9]])
+settings = dict(max_new_tokens=12, slot_size=4, slot_threshold=0.5, token_threshold=0.4, eos_token_id=[],
+                pad_token_id=0)
+plain = model.generate(prompt, **settings)
+names = list(model.state_dict())
+packed_layers = model.prepack_linears([torch.float32])  # from one row on, whatever this CPU's own plan says
+packed = model.generate(prompt, **settings)
+names_unchanged = list(model.state_dict()) == names
+print(json.dumps({{
+    "files": sorted(name for name in os.listdir({folder!r}) if name.endswith(".py")),
+    "linear_layers": sum(isinstance(module, torch.nn.Linear) for module in model.modules()),
+    "packed_layers": packed_layers,
+    "same_tokens": torch.equal(plain, packed),
+    "names_unchanged": names_unchanged,
+    "unpacked_layers": model.unpack_linears(),
+}}))
+"""
+
+
+def test_a_hub_user_prepacks_the_linear_layers_and_decodes_the_same_tokens(tmp_path):
+    from kernels_refusion import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    tokenizer = tiny_tokenizer()
+    model, tokenizer = convert_to_refusion(tiny_backbone("llama", vocab_size=len(tokenizer)), tokenizer)
+    folder = save_refusion(model, tokenizer, tmp_path / "hub-model")
+    report = run_as_hub_user("import os\n" + PACKING_HUB_USER.format(folder=str(folder)), tmp_path)
+    assert report["files"] == sorted(HUB_FILES)
+    assert report["packed_layers"] == report["linear_layers"] == report["unpacked_layers"] > 0
+    assert report["same_tokens"] and report["names_unchanged"]
+
+
 def test_hub_files_import_only_torch_transformers_and_each_other():
     import ast
 
@@ -71,7 +110,7 @@ def test_hub_files_import_only_torch_transformers_and_each_other():
                 roots = {node.module.split(".")[0]}
             else:
                 continue
-            project = {"configuration_refusion", "modeling_refusion", "generation_refusion"}
+            project = {Path(file).stem for file in HUB_FILES}
             assert roots <= allowed | project, f"{name} imports {roots - allowed - project}"
 
 
