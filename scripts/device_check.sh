@@ -28,7 +28,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
 PY
 
 status=0
-timeout 240 "$python" -m pytest -q -rs tests/test_cuda.py tests/test_dtype_policy.py 2>&1 | tee "$out/cuda_tests.txt" \
+timeout 240 "$python" -m pytest -q -rs tests/test_cuda.py tests/test_dtype_policy.py tests/test_host_reads.py 2>&1 | tee "$out/cuda_tests.txt" \
     || status=1
 timeout 120 "$python" -m benchmarks.forward_cost --device cuda --dtypes bfloat16 float32 \
     --widths 1 2 4 8 16 32 64 128 --output_dir "$out" 2>&1 | tee "$out/forward_cost.log" || status=1

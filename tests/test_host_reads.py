@@ -83,3 +83,39 @@ def test_each_decode_step_reads_the_device_at_most_once(model, monkeypatch, name
     assert 0 < counted["reads"] <= counted["forwards"]
     if name != "reference":
         assert counted["reads"] == counted["forwards"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["fast", "fused, window", "priced"])
+def test_on_cuda_the_decoder_synchronizes_once_a_step_outside_the_forwards(monkeypatch, name):
+    """CUDA's own count: with `set_sync_debug_mode("warn")` every synchronizing call warns; the model's forwards
+    (transformers' code) run unwatched."""
+    import warnings
+
+    run_model, execute, counted = generation_refusion.run_model, generation_refusion.execute, {}
+
+    def forward_unwatched(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return run_model(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def watched_execute(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                counted["forwards"] = execute(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        counted["syncs"] = sum("synchroniz" in str(warning.message) for warning in caught)
+        return counted["forwards"]
+
+    monkeypatch.setattr(generation_refusion, "run_model", forward_unwatched)
+    monkeypatch.setattr(generation_refusion, "execute", watched_execute)
+    model = sharpened_model("qwen2", scale=4.0).to("cuda")
+    ids, mask = left_padded(PROMPTS[:4])
+    model.generate(ids.to("cuda"), attention_mask=mask.to("cuda"), max_new_tokens=20, eos_token_id=[], pad_token_id=0,
+                   **SETTINGS[name])  # fmt: skip
+    assert 0 < counted["syncs"] <= counted["forwards"]
