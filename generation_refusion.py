@@ -1544,7 +1544,8 @@ def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logit
 
 def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None) -> int:
     """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
-    whole sequence), through the `compiled` backbone where given. Returns the number of forwards."""
+    whole sequence), through the `compiled` backbone where given. After each forward every row scores its logits on
+    the device, and the scores of all rows come to the host in one read. Returns the number of forwards."""
     device = decoders[0].device
     requests = [decoder.request() for decoder in decoders]
     layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
