@@ -930,7 +930,8 @@ class SlotDecoder:
         """Decide from the host's copy of `score`'s tensor and move to the next phase; returns how many leading
         queries of the last request stay in the sequence."""
         if self.prices is not None:
-            values, self.profile.known = values[:-4], values[-4:]
+            totals = len(self.profile.known)
+            values, self.profile.known = values[:-totals], values[-totals:]
         decide = {
             self.PLAN: self._planned,
             self.VERIFY: self._verified,
@@ -1067,12 +1068,13 @@ class SlotDecoder:
         window = self._infill_window(state)
         layout = self._infill_layout(state, window)
         groups = upload(state.groups, self.device)
-        parts = [self._grouped(state, layout["fresh"], state.tokens, groups)]
+        index = layout["index"]
+        parts = [self._grouped(state, index, layout["fresh"], state.tokens, groups)]
         if self.settings.fused_redraft and window > 0:  # with no drafts there is nothing to redraft
             masks = torch.full_like(state.tokens, self.settings.mask_token_id)
             mask_groups = upload(self._new_groups(len(state.slots)), self.device)
-            parts.append(self._grouped(state, layout["checked"], masks, mask_groups, parents=groups))
-        parts.append(self._grouped(state, layout["queried"], state.tokens, groups))
+            parts.append(self._grouped(state, index, layout["checked"], masks, mask_groups, parents=groups))
+        parts.append(self._grouped(state, index, layout["queried"], state.tokens, groups))
         phase.read.update(layout, parts=parts)
         return Queries.cat(parts)
 
@@ -1123,7 +1125,7 @@ class SlotDecoder:
         drafting = positions(drafting_mask, sum(size - count for count in state.counts))
         masked = torch.where(drafting_mask, self.settings.mask_token_id, state.tokens)
         phase.read.update(index=index, counts=counts, live=live, row_of=row_of, drafting=drafting)
-        return self._grouped(state, live, masked, upload(self._new_groups(len(state.slots)), self.device))
+        return self._grouped(state, index, live, masked, upload(self._new_groups(len(state.slots)), self.device))
 
     def _score_redraft(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         state, read = phase.state, phase.read
@@ -1141,7 +1143,7 @@ class SlotDecoder:
     def _recheck_queries(self, phase: Phase) -> Queries:
         state, read = phase.state, phase.read
         groups = upload(self._new_groups(len(state.slots)), self.device)
-        return self._grouped(state, read["live"], read["tokens"], groups)
+        return self._grouped(state, read["index"], read["live"], read["tokens"], groups)
 
     def _score_recheck(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Accept by the authors' rule: each slot's new count and EOS offset."""
@@ -1322,8 +1324,7 @@ class SlotDecoder:
         host's counts, so finding the positions does not wait for the device."""
         size = self.settings.slot_size
         until = [min(count + window + 1, size) for count in state.counts]  # > count: an infilling slot is open
-        counts, stored = upload(state.counts, self.device), upload(state.stored, self.device)
-        ends = upload(until, self.device)
+        counts, stored, ends = upload([state.counts, state.stored, until], self.device)
         fresh = (self.offsets >= stored[:, None]) & (self.offsets < counts[:, None])
         checked = (self.offsets >= counts[:, None]) & (self.offsets < ends[:, None])
         queried = checked & (self.offsets < ends[:, None] - 1)
@@ -1338,16 +1339,14 @@ class SlotDecoder:
             until=ends,
         )
 
-    def _grouped(self, state, at, tokens, groups, parents=None) -> Queries:
-        """The tokens at flat positions `at` of the infilling slots' `tokens` (`[slots, slot_size]`), each seeing the
-        sequence before `state.prefix` and its slot's group (`groups`, one per slot, on the device)."""
-        size = self.settings.slot_size
-        rows = at // size
+    def _grouped(self, state, index, at, tokens, groups, parents=None) -> Queries:
+        """The tokens at flat positions `at` of the infilling slots' `tokens` (`[slots, slot_size]`, answer indices
+        `index`), each seeing the sequence before `state.prefix` and its slot's group (`groups`, one per slot)."""
+        rows = at // self.settings.slot_size
         ids = tokens.flatten()[at]
-        answer_index = upload(state.slots, self.device)[rows] * size + at % size
         parent_of = torch.full_like(ids, NO_GROUP) if parents is None else parents[rows]
-        return Queries(ids, answer_index + self.prompt.shape[0], torch.full_like(ids, state.prefix), groups[rows],
-                       parent_of)  # fmt: skip
+        rope_positions = index.flatten()[at] + self.prompt.shape[0]
+        return Queries(ids, rope_positions, torch.full_like(ids, state.prefix), groups[rows], parent_of)
 
     def _in_group(self, ids, index, prefix: int, group: int) -> Queries:
         return Queries(ids, index + self.prompt.shape[0], torch.full_like(ids, prefix), torch.full_like(ids, group),
