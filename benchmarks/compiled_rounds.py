@@ -1,18 +1,21 @@
-"""Compiled AR against compiled ReFusion, timed in interleaved rounds (prints a table).
+"""Compiled AR against compiled ReFusion, timed prompt by prompt, back to back (prints a table).
 
-    python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 3] [--max_new_tokens 64] [--mode MODE]
+    python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE]
 
-On a shared machine a busy spell can slow one decoder and not the other when they run one after the other. Here each
-round decodes the same held-out prompts with the base model's compiled static-cache `generate()` and with ReFusion's
-compiled forwards over its static cache (shipped setting and adapter, decoding policy's dtype), one after the other;
-the table gives each decoder's tokens/s per round and the ratio within each round, whose median is the speed-up.
-Both compile before the first round (times printed apart).
+On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
+turn. Here every held-out prompt is decoded by the base model's compiled static-cache `generate()` and by ReFusion's
+compiled forwards over its static cache (shipped setting and adapter, decoding policy's dtype and kernels) one right
+after the other, the first of the two alternating from prompt to prompt (`recipe.decoding.paired_runs`); `--rounds`
+passes over the prompts. The table gives each pass's tokens/s, then the speed-up over all runs, the median and
+quartiles of the per-prompt ratios, ReFusion's tokens per forward, and the speed-up as a share of it (what the
+speed-up would be if a ReFusion forward cost what an AR step costs: 1.0). Both compile before the first pass (times
+printed apart).
 """
 
 import argparse
 import copy
-import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -20,10 +23,14 @@ from finetune.chat import prompt_token_ids
 from recipe.decoding import (
     compile_mode,
     compile_refusion,
+    compiled_ar_settings,
     compiled_graphs,
     compiled_refusion,
     decode,
-    decode_compiled_ar,
+    overall_speed,
+    paired_runs,
+    paired_speedup,
+    warm_up_compiled_ar,
 )
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, prepare_for_decoding, with_adapter
@@ -32,7 +39,7 @@ from recipe.model import decoding_dtype, load_base, prepare_for_decoding, with_a
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", default=None, help="torch.compile mode of both (default: by device)")
@@ -48,28 +55,37 @@ def main() -> None:
     compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"])
     decode(model, refusion_tokenizer, prompts[:1], 8, **options)
     print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
+    ar_settings = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)
+    warm_up = warm_up_compiled_ar(ar, tokenizer, prompts[:1], ar_settings)
+    print(f"compiled AR: warm-up (compiling) {warm_up.seconds:.1f} s", flush=True)
 
-    graphs, rows = compiled_graphs(), []
+    decoders = {
+        "AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings),
+        "ReFusion": partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **options),
+    }
+    graphs, passes = compiled_graphs(), []
     for round_index in range(args.rounds):
-        ar_run = decode_compiled_ar(ar, tokenizer, prompts, args.max_new_tokens, mode=mode)
-        refusion_run = decode(model, refusion_tokenizer, prompts, args.max_new_tokens, **options)
-        rows.append((ar_run, refusion_run))
-        print(
-            f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: AR {ar_run.tokens_per_second:.1f} tokens/s "
-            f"(warm-up {ar_run.compile_seconds:.1f} s), ReFusion {refusion_run.tokens_per_second:.1f} tokens/s at "
-            f"{refusion_run.tokens_per_forward:.2f} tokens/forward",
-            flush=True,
-        )
-    ratios = [refusion.tokens_per_second / ar.tokens_per_second for ar, refusion in rows]
-    graphs = compiled_graphs() - graphs  # the AR's own graph, compiled in its first warm-up, is one
-    print(f"\n{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, batch 1, {dtype}, {mode}, "
-          f"{torch.get_num_threads()} threads; graphs compiled during the rounds: {graphs}")  # fmt: skip
-    print("| round | compiled AR tokens/s | compiled ReFusion tokens/s | ReFusion tokens/forward | ratio |")
+        runs = paired_runs(decoders, prompts)
+        passes.append(runs)
+        ratio = paired_speedup(runs["ReFusion"], runs["AR"]).ratio
+        print(f"[{time.strftime('%H:%M:%S')}] pass {round_index + 1}: AR {overall_speed(runs['AR']):.1f} tokens/s, "
+              f"ReFusion {overall_speed(runs['ReFusion']):.1f} tokens/s ({ratio:.2f}x)", flush=True)  # fmt: skip
+    graphs = compiled_graphs() - graphs
+
+    print(f"\n{args.prompts} held-out prompts x {args.rounds} passes, {args.max_new_tokens} new tokens, batch 1, "
+          f"{dtype}, {mode}, {torch.get_num_threads()} threads; graphs compiled in the passes: {graphs}")  # fmt: skip
+    print("| pass | compiled AR tokens/s | compiled ReFusion tokens/s | ReFusion tokens/forward | speed-up |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    for index, ((ar, refusion), ratio) in enumerate(zip(rows, ratios), start=1):
-        print(f"| {index} | {ar.tokens_per_second:.1f} | {refusion.tokens_per_second:.1f} | "
-              f"{refusion.tokens_per_forward:.2f} | {ratio:.2f}x |")  # fmt: skip
-    print(f"median ratio: {statistics.median(ratios):.2f}x")
+    for index, runs in enumerate(passes, start=1):
+        speedup = paired_speedup(runs["ReFusion"], runs["AR"])
+        ar_speed = overall_speed(runs["AR"])
+        print(f"| {index} | {ar_speed:.1f} | {ar_speed * speedup.ratio:.1f} | {speedup.tokens_per_forward:.2f} | "
+              f"{speedup.ratio:.2f}x |")  # fmt: skip
+    every = {name: [run for runs in passes for run in runs[name]] for name in decoders}
+    speedup = paired_speedup(every["ReFusion"], every["AR"])
+    print(f"all passes: {speedup.ratio:.2f}x; per prompt median {speedup.median:.2f}x (quartiles {speedup.low:.2f}"
+          f"-{speedup.high:.2f}); {speedup.tokens_per_forward:.2f} tokens/forward; speed-up / tokens per forward "
+          f"{speedup.ratio / speedup.tokens_per_forward:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

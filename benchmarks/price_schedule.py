@@ -2,10 +2,12 @@
 
     python -m benchmarks.price_schedule [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--eager]
 
-Part 1, measured: each round decodes the same held-out prompts with the base model's AR (compiled static-cache
-`generate()`, or eager with `--eager`), then ReFusion (shipped setting and adapter, decoding policy's dtype, compiled
-forwards over its static cache unless `--eager`) with the shipped fixed window and with priced drafts, one after the
-other; the ratios within each round are the speed-ups. The price table the decoder measured here is printed.
+Part 1, measured: each held-out prompt is decoded by the base model's AR (compiled static-cache `generate()`, or
+eager with `--eager`) and by ReFusion (shipped setting and adapter, decoding policy's dtype and kernels, compiled
+forwards over its static cache unless `--eager`) with the shipped fixed window and with priced drafts, the three back
+to back, the first rotating from prompt to prompt (`recipe.decoding.paired_runs`); `--rounds` passes over the prompts.
+The speed-ups pool each decoder's runs; the per-prompt ratios' median and quartiles show their spread. The price
+table the decoder measured here is printed.
 
 Part 2, modelled: the forward prices of another machine (the AVX2 CPU tables in `PRICE_TABLES`, from
 `../shared/notes/performance.md`) are given to the decoder as `forward_prices`; it decodes (eagerly, to record each
@@ -18,8 +20,8 @@ what the schedule chooses where width is dear; it is a model, not a measurement.
 import argparse
 import copy
 import json
-import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -29,9 +31,13 @@ from generation_refusion import ForwardPrices
 from recipe.decoding import (
     compile_mode,
     compile_refusion,
+    compiled_ar_settings,
     compiled_refusion,
     decode,
-    decode_compiled_ar,
+    overall_speed,
+    paired_runs,
+    paired_speedup,
+    warm_up_compiled_ar,
 )
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, prepare_for_decoding, with_adapter
@@ -66,7 +72,7 @@ def modelled(model, tokenizer, prompts, max_new_tokens, table: dict, **options) 
 
 
 def measured(args, ar, model, tokenizer, refusion_tokenizer, prompts, dtype, mode) -> None:
-    """Part 1: AR, the fixed window and priced drafts in interleaved rounds (prints its table)."""
+    """Part 1: AR, the fixed window and priced drafts, prompt by prompt (prints its table)."""
     options = dict(time_forwards=False)
     if not args.eager:
         options.update(compiled_refusion(args.device, mode))
@@ -79,39 +85,41 @@ def measured(args, ar, model, tokenizer, refusion_tokenizer, prompts, dtype, mod
         print(f"measured prices ({key}):\n  " + json.dumps({width: round(price * 1000, 1) for width, price in
                                                         table.items()}) + " ms")  # fmt: skip
 
-    rows = []
+    if args.eager:
+        ar_options = dict(autoregressive=True, time_forwards=False)
+    else:
+        ar_options = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)
+        warm_up_compiled_ar(ar, tokenizer, prompts[:1], ar_options)
+    decoders = {
+        "AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_options),
+        "fixed": partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **options),
+        "priced": partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens,
+                          draft_schedule="price", **options),
+    }  # fmt: skip
+    passes = []
     for round_index in range(args.rounds):
-        if args.eager:
-            ar_run = decode(ar, tokenizer, prompts, args.max_new_tokens, autoregressive=True, time_forwards=False)
-        else:
-            ar_run = decode_compiled_ar(ar, tokenizer, prompts, args.max_new_tokens, mode=mode)
-        fixed = decode(model, refusion_tokenizer, prompts, args.max_new_tokens, **options)
-        priced = decode(model, refusion_tokenizer, prompts, args.max_new_tokens, draft_schedule="price", **options)
-        rows.append((ar_run, fixed, priced))
-        print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}: AR {ar_run.tokens_per_second:.1f}, fixed "
-              f"{fixed.tokens_per_second:.1f} ({fixed.tokens_per_forward:.2f} tokens/forward), priced "
-              f"{priced.tokens_per_second:.1f} ({priced.tokens_per_forward:.2f}) tokens/s", flush=True)  # fmt: skip
+        passes.append(paired_runs(decoders, prompts))
+        speeds = ", ".join(f"{name} {overall_speed(runs):.1f}" for name, runs in passes[-1].items())
+        print(f"[{time.strftime('%H:%M:%S')}] pass {round_index + 1}: {speeds} tokens/s", flush=True)
 
     path = "eager" if args.eager else f"compiled ({mode})"
-    print(f"\nPart 1, measured: {args.prompts} held-out prompts, {args.max_new_tokens} new tokens, batch 1, {dtype}, "
-          f"{path}, {torch.get_num_threads()} threads")  # fmt: skip
-    print("| round | AR tokens/s | fixed tokens/s | fixed TPF | priced tokens/s | priced TPF | fixed vs AR | "
-          "priced vs AR |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for index, (ar_run, fixed, priced) in enumerate(rows, start=1):
-        print(f"| {index} | {ar_run.tokens_per_second:.1f} | {fixed.tokens_per_second:.1f} | "
-              f"{fixed.tokens_per_forward:.2f} | {priced.tokens_per_second:.1f} | {priced.tokens_per_forward:.2f} | "
-              f"{fixed.tokens_per_second / ar_run.tokens_per_second:.2f}x | "
-              f"{priced.tokens_per_second / ar_run.tokens_per_second:.2f}x |")  # fmt: skip
-    for name, column in (("fixed", 1), ("priced", 2)):
-        ratios = [row[column].tokens_per_second / row[0].tokens_per_second for row in rows]
-        print(f"median {name} vs AR: {statistics.median(ratios):.2f}x")
+    print(f"\nPart 1, measured: {args.prompts} held-out prompts x {args.rounds} passes, {args.max_new_tokens} new "
+          f"tokens, batch 1, {dtype}, {path}, {torch.get_num_threads()} threads; AR {path}")  # fmt: skip
+    every = {name: [run for runs in passes for run in runs[name]] for name in decoders}
+    print(f"AR: {overall_speed(every['AR']):.1f} tokens/s")
+    print("| schedule | tokens/s | tokens/forward | vs AR | per prompt: median (quartiles) | vs AR / tokens/forward |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in ("fixed", "priced"):
+        speedup = paired_speedup(every[name], every["AR"])
+        print(f"| {name} | {overall_speed(every[name]):.1f} | {speedup.tokens_per_forward:.2f} | "
+              f"{speedup.ratio:.2f}x | {speedup.median:.2f}x ({speedup.low:.2f}-{speedup.high:.2f}) | "
+              f"{speedup.ratio / speedup.tokens_per_forward:.2f} |")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2, help="of part 1 (0: part 2 only)")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts in part 1 (0: part 2 only)")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eager", action="store_true", help="eager forwards and eager AR (default: compiled)")

@@ -8,11 +8,15 @@ tokens per forward of the two decoders are computed the same way; a ReFusion run
 `decode_compiled_ar` decodes token by token with transformers' compiled static-cache `generate()`, the fastest AR a
 transformers user gets on many machines: it compiles once (reported as `compile_seconds`) before the timed decode, and
 counts the graphs compiled during it (`recompiles`: 0 when one static cache length serves every prompt).
+
+`paired_runs` times several decoders prompt by prompt, back to back, and `paired_speedup` compares them: on a shared
+machine that is the comparison that holds still.
 """
 
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -303,21 +307,83 @@ def decode_compiled_ar(
     model has compiled it before, and its wall time is the run's `compile_seconds`. Then the timed decode, without
     forward hooks (torch.compile would trace them into the graph, so `forward_seconds` is None; forwards are counted
     as for every AR decode, one per generated position), and `recompiles`: graphs compiled during it (0 expected)."""
+    settings = compiled_ar_settings(model, prompts, max_new_tokens, batch_size, mode, max_cache_len)
+    warm_up = warm_up_compiled_ar(model, tokenizer, prompts[:batch_size], settings | generate_kwargs)
+    graphs = compiled_graphs()
+    run = decode(model, tokenizer, prompts, max_new_tokens, **settings, **generate_kwargs)
+    run.compile_seconds, run.recompiles = warm_up.seconds, compiled_graphs() - graphs
+    return run
+
+
+def compiled_ar_settings(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 1,
+    mode: str | None = None,
+    max_cache_len: int | None = None,
+) -> dict:
+    """The `decode` options of `decode_compiled_ar`: token by token, static cache (`max_cache_len`, default one long
+    enough for every prompt of `prompts`), compiled in `mode` on every device, no forward hooks."""
     config = CompileConfig(mode=mode or compile_mode(model.device))
     config._compile_all_devices = True
-    settings = dict(
+    return dict(
         batch_size=batch_size,
         autoregressive=True,
         time_forwards=False,
         cache_implementation="static",
         compile_config=config,
         max_cache_len=max_cache_len or static_cache_length(prompts, max_new_tokens),
-        **generate_kwargs,
     )
-    warm_up = decode(model, tokenizer, prompts[:batch_size], 3, **{**settings, "eos_token_id": []})
+
+
+def warm_up_compiled_ar(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts, settings: dict):
+    """Decode `prompts` (one batch) for 3 tokens, past any stop token, with the compiled AR `settings`: compiles the
+    graph unless the model has compiled it before. Raises if transformers chose not to compile."""
+    warm_up = decode(model, tokenizer, prompts, 3, **{**settings, "eos_token_id": []})
     if getattr(model, "_compiled_call", None) is None:  # transformers skipped compiling, and warned why
         raise RuntimeError(f"transformers' generate() did not compile {type(model).__name__} on {model.device}.")
-    graphs = compiled_graphs()
-    run = decode(model, tokenizer, prompts, max_new_tokens, **settings)
-    run.compile_seconds, run.recompiles = warm_up.seconds, compiled_graphs() - graphs
-    return run
+    return warm_up
+
+
+def paired_runs(
+    decoders: dict[str, Callable[[list[Sequence[int]]], DecodeRun]], prompts: Sequence[Sequence[int]], rounds: int = 1
+) -> dict[str, list[DecodeRun]]:
+    """Every decoder's runs of each prompt alone, the decoders back to back on a prompt before the next prompt, and
+    which goes first rotating from prompt to prompt; `rounds` times over the prompts. Each decoder's list holds one
+    run per (round, prompt), in the same order for all.
+
+    On a shared machine the speed moves by tens of percent within minutes. Decoders timed on the same prompt seconds
+    apart see the same machine, so the ratio of their times on one prompt is far steadier than the ratio of two
+    passes over the whole set (`paired_speedup`)."""
+    names, runs = list(decoders), {name: [] for name in decoders}
+    for round_index in range(rounds):
+        for index, prompt in enumerate(prompts):
+            shift = (round_index * len(prompts) + index) % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(decoders[name]([prompt]))
+    return runs
+
+
+@dataclass
+class PairedSpeedup:
+    """Speed of one decoder against a reference over the same paired runs."""
+
+    ratio: float  # tokens/s over all runs, against the reference's
+    median: float  # of the per-prompt ratios of tokens/s
+    low: float  # their first quartile
+    high: float  # their third quartile
+    tokens_per_forward: float  # of the decoder, over all runs
+
+
+def paired_speedup(runs: Sequence[DecodeRun], reference: Sequence[DecodeRun]) -> PairedSpeedup:
+    """`runs` against the `reference` runs of the same prompts (`paired_runs`)."""
+    ratios = sorted(run.tokens_per_second / base.tokens_per_second for run, base in zip(runs, reference, strict=True))
+    low, median, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    tokens_per_forward = sum(run.tokens for run in runs) / sum(run.forwards for run in runs)
+    return PairedSpeedup(overall_speed(runs) / overall_speed(reference), median, low, high, tokens_per_forward)
+
+
+def overall_speed(runs: Sequence[DecodeRun]) -> float:
+    """Tokens/s of `runs` together."""
+    return sum(run.tokens for run in runs) / sum(run.seconds for run in runs)

@@ -24,6 +24,8 @@ from recipe.decoding import (
     decode,
     decode_compiled_ar,
     decoder_module,
+    paired_runs,
+    paired_speedup,
     static_cache_length,
     stop_token_ids,
 )
@@ -102,6 +104,39 @@ def test_cut_answer_stops_at_the_first_stop_token():
     assert cut_answer([5, 6, 2, 7], {2}) == [5, 6]
     assert cut_answer([5, 6], {2}) == [5, 6]
     assert cut_answer([2, 5], {2, 0}) == []
+
+
+def test_paired_runs_decode_each_prompt_with_every_decoder_back_to_back_rotating_the_first():
+    calls = []
+
+    def decoder(name):
+        def run(prompts):
+            calls.append((name, prompts[0][0]))
+            return DecodeRun([[prompts[0][0]]], 1.0, 1)
+
+        return run
+
+    prompts = [[10], [11], [12], [13]]
+    runs = paired_runs({"a": decoder("a"), "b": decoder("b"), "c": decoder("c")}, prompts, rounds=2)
+    firsts = [calls[i][0] for i in range(0, len(calls), 3)]
+    assert firsts == ["a", "b", "c", "a", "b", "c", "a", "b"]  # the rotation continues across rounds
+    for start in range(0, len(calls), 3):  # one prompt's decodes back to back, every decoder once
+        assert len({prompt for _, prompt in calls[start : start + 3]}) == 1
+        assert sorted(name for name, _ in calls[start : start + 3]) == ["a", "b", "c"]
+    for name in "abc":  # each decoder's runs follow the prompts, round after round
+        assert [run.answers[0][0] for run in runs[name]] == [10, 11, 12, 13] * 2
+
+
+def test_paired_speedup_pools_tokens_and_seconds_and_reads_per_prompt_ratios():
+    reference = [DecodeRun([[0] * 10], 1.0, 10), DecodeRun([[0] * 10], 2.0, 10), DecodeRun([[0] * 20], 1.0, 20)]
+    runs = [DecodeRun([[0] * 10], 0.5, 5), DecodeRun([[0] * 10], 2.0, 8), DecodeRun([[0] * 20], 0.5, 10)]
+    speedup = paired_speedup(runs, reference)
+    assert speedup.ratio == pytest.approx((40 / 3.0) / (40 / 4.0))  # pooled, not the mean of ratios
+    assert speedup.median == pytest.approx(2.0)  # per prompt: 2, 1, 2
+    assert speedup.low <= 1.0 + 1e-9 and speedup.high == pytest.approx(2.0)
+    assert speedup.tokens_per_forward == pytest.approx(40 / 23)
+    with pytest.raises(ValueError):  # runs of other prompts than the reference's
+        paired_speedup(runs[:2], reference)
 
 
 def test_ar_decode_counts_one_forward_per_generated_token():
