@@ -504,16 +504,37 @@ def passes(probabilities: torch.Tensor, threshold: float) -> torch.Tensor:
     return probabilities > threshold if threshold > 0 else probabilities >= 0
 
 
+def first_argmax(values: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """`values.argmax(dim=-1)`: the first index of the largest value along the last dimension (ties go to the lowest
+    index, as in transformers' greedy search). Found as the maxima of runs of `chunk` columns, the first run holding
+    the row's maximum, and the first maximum inside it: on a CPU, PyTorch's `argmax` and `topk` over a
+    vocabulary-wide row do not vectorise, and cost 6-7 times this (SmolLM2's 49,152 columns, 10 rows, 2 threads:
+    0.8 ms and 1.0 ms against 0.14 ms)."""
+    width = values.shape[-1]
+    rows = values.reshape(-1, width)
+    body = width - width % chunk
+    if body == 0:
+        return values.argmax(dim=-1)
+    maxima = rows[:, :body].reshape(rows.shape[0], body // chunk, chunk).amax(dim=-1)
+    run = maxima.argmax(dim=-1)
+    columns = run[:, None] * chunk + torch.arange(chunk, device=values.device)
+    index = run * chunk + rows.gather(1, columns).argmax(dim=-1)
+    if body < width:  # the last, shorter run wins only with a strictly larger value
+        tail, tail_index = rows[:, body:].max(dim=-1)
+        index = torch.where(tail > maxima.amax(dim=-1), body + tail_index, index)
+    return index.reshape(values.shape[:-1])
+
+
 def pick_tokens(probabilities: torch.Tensor, mask_token_id: int, do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy or sampled token of every row, never the mask token, and its probability. Sampling uses the
     exponential trick (no host sync)."""
+    weights = probabilities.clone()
     if do_sample:
-        weights = probabilities.clone()
         weights[..., mask_token_id] = 0.0
-        tokens = (weights / torch.empty_like(weights).exponential_(1)).argmax(dim=-1)
+        weights /= torch.empty_like(weights).exponential_(1)
     else:
-        best = probabilities.topk(2, dim=-1).indices
-        tokens = torch.where(best[..., 0] == mask_token_id, best[..., 1], best[..., 0])
+        weights[..., mask_token_id] = -1.0
+    tokens = first_argmax(weights)
     return tokens, probabilities.gather(-1, tokens[..., None])[..., 0]
 
 

@@ -8,6 +8,7 @@ from generation_refusion import (
     accepted_lengths,
     choose_slots,
     eos_offsets,
+    first_argmax,
     leading_complete,
     pick_tokens,
 )
@@ -71,3 +72,27 @@ def test_greedy_pick_never_proposes_the_mask_token():
     torch.manual_seed(0)
     sampled, _ = pick_tokens(probabilities[:1].expand(500, 3), mask_token_id=1, do_sample=True)
     assert not (sampled == 1).any() and set(sampled.tolist()) == {0, 2}
+
+
+def test_first_argmax_is_argmax_with_ties_to_the_lowest_index():
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(5, 49152), (3, 4, 300), (7, 100), (2, 128), (9, 129), (4, 257), (6,), (1, 1), (0, 300)]
+    for shape in shapes:  # widths below, at and past whole runs of 128 columns, any leading dimensions
+        for ties in (False, True):
+            values = torch.randn(shape, generator=generator)
+            if ties:  # three values only: the maximum recurs in most rows
+                values = torch.randint(0, 3, shape, generator=generator).float()
+            assert torch.equal(first_argmax(values), values.argmax(dim=-1)), (shape, ties)
+    values = torch.zeros(3, 300)
+    values[0, [5, 200]] = 1.0  # a tie across runs
+    values[1, [260, 299]] = 1.0  # a tie inside the shorter last run
+    values[2, [100, 290]] = T([1.0, 2.0])  # the last run strictly larger
+    assert first_argmax(values).tolist() == [5, 260, 290]
+
+
+def test_greedy_pick_breaks_ties_as_argmax_does():
+    probabilities = torch.zeros(2, 300)
+    probabilities[0, [7, 150]] = 0.5
+    probabilities[1, [3, 9, 280]] = T([0.375, 0.375, 0.25])
+    tokens, chosen = pick_tokens(probabilities, mask_token_id=3, do_sample=False)
+    assert tokens.tolist() == [7, 9] and chosen.tolist() == [0.5, 0.375]
