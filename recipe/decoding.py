@@ -377,9 +377,13 @@ class PairedSpeedup:
 
 
 def paired_speedup(runs: Sequence[DecodeRun], reference: Sequence[DecodeRun]) -> PairedSpeedup:
-    """`runs` against the `reference` runs of the same prompts (`paired_runs`)."""
-    ratios = sorted(run.tokens_per_second / base.tokens_per_second for run, base in zip(runs, reference, strict=True))
-    low, median, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    """`runs` against the `reference` runs of the same prompts (`paired_runs`). The per-prompt ratios leave out the
+    prompts that either side answered with no token (an immediate stop token has no speed)."""
+    pairs = list(zip(runs, reference, strict=True))
+    if not any(base.tokens for base in reference):
+        raise ValueError("The reference runs decoded no tokens, so there is no speed to compare against.")
+    ratios = sorted(run.tokens_per_second / base.tokens_per_second for run, base in pairs if run.tokens and base.tokens)
+    low, median, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios or [0.0]) * 3
     tokens_per_forward = sum(run.tokens for run in runs) / sum(run.forwards for run in runs)
     return PairedSpeedup(overall_speed(runs) / overall_speed(reference), median, low, high, tokens_per_forward)
 

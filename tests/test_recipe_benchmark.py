@@ -137,6 +137,12 @@ def test_paired_speedup_pools_tokens_and_seconds_and_reads_per_prompt_ratios():
     assert speedup.tokens_per_forward == pytest.approx(40 / 23)
     with pytest.raises(ValueError):  # runs of other prompts than the reference's
         paired_speedup(runs[:2], reference)
+    silent = DecodeRun([[]], 0.5, 1)  # a prompt answered with its stop token: no speed, left out of the ratios
+    speedup = paired_speedup([runs[0], silent], [reference[0], reference[1]])
+    assert speedup.median == speedup.low == speedup.high == pytest.approx(2.0)
+    assert speedup.ratio == pytest.approx((10 / 1.0) / (20 / 3.0))
+    with pytest.raises(ValueError, match="no tokens"):
+        paired_speedup([runs[0]], [silent])
 
 
 def test_ar_decode_counts_one_forward_per_generated_token():
