@@ -538,6 +538,16 @@ def pick_tokens(probabilities: torch.Tensor, mask_token_id: int, do_sample: bool
     return tokens, probabilities.gather(-1, tokens[..., None])[..., 0]
 
 
+def greedy_distributions(scores: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax of every row of `scores` (in float32, or wider) and its greedy token, never the mask token: what
+    `pick_tokens(scores.softmax(-1), mask_token_id, do_sample=False)` picks, in one pass over the vocabulary and
+    one over the rows' maxima, with no copy of the table. The mask token's probability reads -1 in the table
+    returned, as a draft that is not there does (it is never picked, so nothing else reads it)."""
+    probabilities = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    probabilities[..., mask_token_id] = -1.0
+    return probabilities, first_argmax(probabilities)
+
+
 def choose_slots(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """Slots whose confidence is above `threshold`, or else the single most confident one."""
     chosen = passes(confidence, threshold)
@@ -899,6 +909,10 @@ class SlotDecoder:
         self.settings, self.device, self.prices = settings, prompt.device, prices  # prices: `draft_schedule="price"`
         self.processors, self.watcher = processors or lp.LogitsProcessorList(), watcher
         self.context_free = all(isinstance(processor, CONTEXT_FREE) for processor in self.processors)
+        # Greedy decoding with no processor that reads the tokens before a position scores all of a forward's rows
+        # at once (`greedy_distributions`), in `score`; otherwise each decision scores the rows it reads.
+        self.score_all_rows = not settings.do_sample and self.context_free
+        self.forward_scores: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prompt = prompt
         size = settings.slot_size
         self.num_slots = -(-settings.max_new_tokens // size)
@@ -944,7 +958,10 @@ class SlotDecoder:
             self.REDRAFT: self._score_redraft,
             self.RECHECK: self._score_recheck,
         }[self.phase.kind]
+        if self.score_all_rows:
+            self.forward_scores = greedy_distributions(self._processed(logits), self.settings.mask_token_id)
         values = score(self.phase, logits)
+        self.forward_scores = None
         return values if self.prices is None else torch.cat([values, self.profile.totals()])
 
     def advance(self, values: list[int]) -> int:
@@ -1009,7 +1026,7 @@ class SlotDecoder:
         """Keep the drafts; choose the slots to decode by their first draft's confidence (and, for one-token slots,
         which drafts are EOS)."""
         index = phase.read["index"]
-        tokens, probabilities = self._pick(logits, index)
+        tokens, probabilities = self._pick(logits, torch.arange(logits.shape[0], device=self.device), index)
         self.drafts[index] = tokens
         chosen = choose_slots(probabilities.view(len(phase.slots), -1)[:, 0], self.settings.slot_threshold)
         if self.settings.slot_size > 1:
@@ -1045,8 +1062,8 @@ class SlotDecoder:
         until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
         scored = ((self.offsets > 0) & (self.offsets < until)).expand_as(tokens)
         at = (torch.arange(slots, device=self.device)[:, None] * size + self.offsets[1:until]).flatten()
-        rows = logits.view(slots, width, -1)[:, : until - 1].reshape(-1, logits.shape[-1])
-        ar_tokens, ar_probability = self._ar_check(rows, tokens, index, at)
+        rows = (torch.arange(slots, device=self.device)[:, None] * width + self.offsets[: until - 1]).flatten()
+        ar_tokens, ar_probability = self._ar_check(logits, rows, tokens, index, at)
         accepted = accepted_lengths(
             (self.offsets == 0) | (scored & passes(ar_probability, self.settings.token_threshold))
         )
@@ -1109,12 +1126,13 @@ class SlotDecoder:
         row_of.view(-1)[fresh] = torch.arange(num_fresh, device=self.device)
         row_of.view(-1)[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
-        ar_tokens, ar_probability = self._ar_check(logits[source.flatten()[checked]], state.tokens, index, checked)
+        ar_tokens, ar_probability = self._ar_check(logits, source.flatten()[checked], state.tokens, index, checked)
         redrafts = ar_tokens
         if len(parts) == 3:  # fused: the [MASK] queries' drafts
-            mask_rows = logits[num_fresh : len(logits) - num_queried]
+            mask_rows = torch.arange(num_fresh, len(logits) - num_queried, device=self.device)
             redrafts = state.tokens.clone()
-            redrafts.view(-1)[checked] = self._pick(mask_rows, index.flatten()[checked], state.tokens, checked)[0]
+            redrafts.view(-1)[checked] = self._pick(logits, mask_rows, index.flatten()[checked], state.tokens,
+                                                    checked)[0]  # fmt: skip
         counts, until = read["counts"], read["until"]
         run_end = first_rejected(counts, ar_probability, self.settings.token_threshold, until)
         self.profile.add(AcceptanceProfile.REDRAFT, read["checked_mask"], run_end)
@@ -1152,7 +1170,7 @@ class SlotDecoder:
         state, read = phase.state, phase.read
         drafting, index = read["drafting"], read["index"]
         tokens = state.tokens.clone()
-        picked = self._pick(logits[read["row_of"].flatten()[drafting]], index.flatten()[drafting], state.tokens,
+        picked = self._pick(logits, read["row_of"].flatten()[drafting], index.flatten()[drafting], state.tokens,
                             drafting)[0]  # fmt: skip
         tokens.view(-1)[drafting] = picked
         read["tokens"] = tokens
@@ -1173,7 +1191,7 @@ class SlotDecoder:
         scored_mask = self.offsets > counts[:, None]  # by the checked position before it
         scored = positions(scored_mask, sum(max(size - count - 1, 0) for count in state.counts))
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
-        _, ar_probability = self._ar_check(logits[source.flatten()[scored]], tokens, index, scored)
+        _, ar_probability = self._ar_check(logits, source.flatten()[scored], tokens, index, scored)
         counts = accept_reference(counts, ar_probability, self.settings.token_threshold)
         self.profile.add(AcceptanceProfile.REDRAFT, scored_mask, counts)
         return torch.cat([counts, eos_offsets(tokens, counts, self.eos)])
@@ -1205,15 +1223,22 @@ class SlotDecoder:
         return answer.masked_fill(after_end, self.settings.pad_token_id)
 
     # ---- scoring -----------------------------------------------------------------------------------------------
+    def _processed(self, rows: torch.Tensor) -> torch.Tensor:
+        """Logit `rows` after processors that read no context but the prompt (in float32, or wider)."""
+        if not self.processors:
+            return rows
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        return self.processors(self.prompt[None].expand(rows.shape[0], -1), rows)
+
     def _probabilities(self, rows, targets, slot_tokens=None, at=None):
         """Token distributions of logit `rows` after the processors. `targets`: the answer index each row scores. A
         processor that reads the tokens before a position sees the prompt, the committed answer and, with
         `slot_tokens` (`[slots, size]`) and `at` (the flat positions in it that the rows score), the slot's tokens
         (such processors read the targets to the host)."""
-        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
-        if self.processors and self.context_free:
-            rows = self.processors(self.prompt[None].expand(rows.shape[0], -1), rows)
-        elif self.processors:
+        if self.context_free:
+            rows = self._processed(rows)
+        else:
+            rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
             context = self.answer.expand(rows.shape[0], -1).clone()
             if slot_tokens is not None:
                 size = self.settings.slot_size
@@ -1227,23 +1252,33 @@ class SlotDecoder:
                 ids = torch.cat([self.prompt.expand(chosen.shape[0], -1), context[chosen, :target]], dim=1)
                 scores[chosen] = self.processors(ids, rows[chosen])
             rows = scores
-        return rows.softmax(dim=-1)
+        return torch.softmax(rows, dim=-1, dtype=torch.promote_types(rows.dtype, torch.float32))
 
-    def _pick(self, rows, targets, slot_tokens=None, at=None):
-        """A draft token for every logit row, and its probability."""
-        probabilities = self._probabilities(rows, targets, slot_tokens, at)
-        return pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
+    def _scored(self, logits, rows, targets, slot_tokens=None, at=None):
+        """The distributions of the logit `rows` (indices into this forward's `logits`) and the token picked from
+        each: `(probabilities, where, tokens)`, row `i`'s distribution being `probabilities[where[i]]`. The
+        arguments after `rows` are `_probabilities`'."""
+        if self.forward_scores is not None:  # every row of the forward is scored already
+            probabilities, tokens = self.forward_scores
+            return probabilities, rows, tokens[rows]
+        probabilities = self._probabilities(logits[rows], targets, slot_tokens, at)
+        tokens, _ = pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
+        return probabilities, torch.arange(rows.shape[0], device=self.device), tokens
 
-    def _ar_check(self, rows, tokens, index, at):
-        """`rows[j]`: the logits scoring the slots' `tokens` at flat position `at[j]`. Returns the model's own token at
-        each position and the probability of `tokens` there (1 elsewhere)."""
-        probabilities = self._probabilities(rows, index.flatten()[at], tokens, at)
-        own, _ = pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
+    def _pick(self, logits, rows, targets, slot_tokens=None, at=None):
+        """A draft token for each of the logit `rows` (indices into `logits`), and its probability."""
+        probabilities, where, tokens = self._scored(logits, rows, targets, slot_tokens, at)
+        return tokens, probabilities[where, tokens]
+
+    def _ar_check(self, logits, rows, tokens, index, at):
+        """`logits[rows[j]]`: the logits scoring the slots' `tokens` at flat position `at[j]`. Returns the model's own
+        token at each position and the probability of `tokens` there (1 elsewhere)."""
+        probabilities, where, own = self._scored(logits, rows, index.flatten()[at], tokens, at)
         ar_tokens = tokens.clone()
         ar_tokens.view(-1)[at] = own
         ar_probability = torch.ones(tokens.shape, dtype=probabilities.dtype, device=self.device)
         drafts = tokens.flatten()[at]
-        drafted = probabilities.gather(-1, drafts[:, None])[:, 0]
+        drafted = probabilities[where, drafts]
         ar_probability.view(-1)[at] = drafted.masked_fill(drafts == self.settings.mask_token_id, -1)  # not drafted
         return ar_tokens, ar_probability
 

@@ -9,6 +9,7 @@ from generation_refusion import (
     choose_slots,
     eos_offsets,
     first_argmax,
+    greedy_distributions,
     leading_complete,
     pick_tokens,
 )
@@ -96,3 +97,23 @@ def test_greedy_pick_breaks_ties_as_argmax_does():
     probabilities[1, [3, 9, 280]] = T([0.375, 0.375, 0.25])
     tokens, chosen = pick_tokens(probabilities, mask_token_id=3, do_sample=False)
     assert tokens.tolist() == [7, 9] and chosen.tolist() == [0.5, 0.375]
+
+
+def test_greedy_distributions_pick_what_softmax_then_pick_tokens_picks():
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        for mask_token_id in (0, 77, 299):
+            scores = (torch.randn(6, 300, generator=generator) * 4).to(dtype)
+            scores[1, [5, 250]] = scores[1].max() + 1  # a tie at the top
+            scores[2, mask_token_id] = scores[2].max() + 1  # the mask token would win
+            scores[3] = 0.0  # every token ties
+            expected = scores.to(torch.promote_types(dtype, torch.float32)).softmax(dim=-1)
+            tokens, chosen = pick_tokens(expected, mask_token_id, do_sample=False)
+            probabilities, picked = greedy_distributions(scores, mask_token_id)
+            assert torch.equal(picked, tokens) and picked[1] == 5 and picked[3] == (mask_token_id == 0)
+            assert torch.equal(probabilities.gather(-1, picked[:, None])[:, 0], chosen)
+            others = torch.arange(300) != mask_token_id
+            assert torch.equal(probabilities[:, others], expected[:, others])
+            assert (probabilities[:, mask_token_id] == -1).all()
+    probabilities, picked = greedy_distributions(torch.zeros(0, 300), 3)  # no rows to score
+    assert probabilities.shape == (0, 300) and picked.shape == (0,)

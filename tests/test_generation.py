@@ -8,6 +8,7 @@ from tiny import tiny_backbone, tiny_tokenizer
 from transformers import DynamicCache
 
 from finetune.convert import convert_to_refusion
+import generation_refusion
 from generation_refusion import DECODING_DEFAULTS, SlotDecoder, attention_mask, execute, resolve_settings
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
@@ -233,3 +234,40 @@ def test_eos_ends_the_answer_and_later_slots_are_dropped(model, slot_size):
     assert answer.shape[0] == first + 1  # nothing returned after the end of the only row
     assert ended.num_forward_passes < free.num_forward_passes
     assert ended.tokens_per_forward == (first + 1) / ended.num_forward_passes
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(slot_size=4),
+        dict(slot_size=8, fused_redraft=True),
+        dict(slot_size=4, draft_window=2),
+        dict(slot_size=1),
+        dict(slot_size=4, infill_mode="reference"),
+        dict(slot_size=4, draft_schedule="price", forward_prices={1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3}),
+    ],
+)
+def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model, frequent_token, monkeypatch, options):
+    """Greedy decoding scores all the rows of a forward once; decisions made so equal those that score their own
+    rows (the path of sampling and of processors that read context)."""
+    settings = dict(
+        max_new_tokens=24, slot_threshold=0.5, token_threshold=0.4, eos_token_id=[frequent_token], pad_token_id=0,
+        return_dict_in_generate=True, **options,
+    )  # fmt: skip
+    calls = []
+    scored = generation_refusion.greedy_distributions
+    monkeypatch.setattr(generation_refusion, "greedy_distributions", lambda *args: calls.append(1) or scored(*args))
+    at_once = model.generate(PROMPT, **settings)
+    assert len(calls) == at_once.num_forward_passes
+    created = SlotDecoder.__init__
+
+    def each_decision(self, *args, **kwargs):
+        created(self, *args, **kwargs)
+        self.score_all_rows = False
+
+    monkeypatch.setattr(SlotDecoder, "__init__", each_decision)
+    calls.clear()
+    alone = model.generate(PROMPT, **settings)
+    assert not calls
+    assert torch.equal(at_once.sequences, alone.sequences)
+    assert at_once.num_forward_passes == alone.num_forward_passes
