@@ -7,8 +7,8 @@ import torch
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import DynamicCache
 
-from finetune.convert import convert_to_refusion
 import generation_refusion
+from finetune.convert import convert_to_refusion
 from generation_refusion import DECODING_DEFAULTS, SlotDecoder, attention_mask, execute, resolve_settings
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
