@@ -364,6 +364,7 @@ def main() -> None:
     }
     for name in args.dtypes:
         dtype = getattr(torch, name)
+        torch._dynamo.reset()  # the last dtype's graphs would count against this one's recompile limit
         refusion, ar = copy.deepcopy(model).to(dtype), copy.deepcopy(base).to(dtype)
         decoder, _ = forward_times(refusion, args.cache, args.widths, args.repeats, decoder_forward)
         causal, _ = forward_times(ar, args.cache, args.widths, args.repeats, causal_forward)
