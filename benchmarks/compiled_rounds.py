@@ -1,17 +1,20 @@
-"""ReFusion's compiled forwards against the base model's AR, timed prompt by prompt, back to back (prints a table).
+"""ReFusion against the base model's AR, timed prompt by prompt, back to back (prints a table).
 
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
+        [--refusion compiled eager] [--draft_schedules fixed price] [--dtype DTYPE] [--ar_dtype bfloat16]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
-turn. Here every held-out prompt is decoded one right after the other by ReFusion's compiled forwards over its
-static cache (shipped setting and adapter, decoding policy's dtype and kernels) and by three AR decoders of the base
-model: transformers' compiled static-cache `generate()` in the policy's dtype, and eager `generate()` in float32 and
-in bfloat16 (left out with `--no_eager`). Which goes first rotates from prompt to prompt
-(`recipe.decoding.paired_runs`); `--rounds` passes over the prompts. The table gives each pass's tokens/s, then
-ReFusion's speed-up over all runs against each AR, the fastest AR named first: the ratio, the median and quartiles
-of the per-prompt ratios, ReFusion's tokens per forward, and the speed-up as a share of it (what the speed-up would
-be if a ReFusion forward cost what an AR step costs: 1.0). The compiled decoders compile before the first pass
-(times printed apart).
+turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and
+by three AR decoders of the base model: transformers' compiled static-cache `generate()` (in `--ar_dtype`, bfloat16
+by default: the fastest AR measured on every machine here) and eager `generate()` in float32 and in bfloat16 (left
+out with `--no_eager`). ReFusion decodes in `--dtype` (default: the decoding policy's), once for each of `--refusion`
+(`compiled`: compiled forwards over its static cache; `eager`: eager forwards with the policy's kernels) and
+`--draft_schedules` (`fixed`: the shipped draft window; `price`: drafts chosen by the forward prices the decoder
+measures on this machine). Which decoder goes first rotates from prompt to prompt (`recipe.decoding.paired_runs`);
+`--rounds` passes over the prompts. The table gives each pass's tokens/s, then each ReFusion decoder's speed-up over
+all runs against each AR, the fastest AR named first: the ratio, the median and quartiles of the per-prompt ratios,
+ReFusion's tokens per forward, and the speed-up as a share of it (what the speed-up would be if a ReFusion forward
+cost what an AR step costs: 1.0). The compiled decoders compile before the first pass (times printed apart).
 """
 
 import argparse
@@ -46,33 +49,45 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", default=None, help="torch.compile mode of both (default: by device)")
     parser.add_argument("--no_eager", action="store_true", help="leave out the eager AR decoders")
+    parser.add_argument("--refusion", nargs="+", default=["compiled"], choices=["compiled", "eager"],
+                        help="ReFusion's forwards: compiled over its static cache, and/or eager")  # fmt: skip
+    parser.add_argument("--draft_schedules", nargs="+", default=["fixed"], choices=["fixed", "price"],
+                        help="ReFusion's draft schedules (each decoded with each of --refusion)")  # fmt: skip
+    parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
+    parser.add_argument("--ar_dtype", default="bfloat16", help="the compiled AR's dtype")
     args = parser.parse_args()
-    dtype, mode = decoding_dtype(None, args.device), args.mode or compile_mode(args.device)
+    dtype, mode = decoding_dtype(args.dtype, args.device), args.mode or compile_mode(args.device)
+    ar_dtype = decoding_dtype(args.ar_dtype, args.device)
 
     base, tokenizer = load_base()
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
-    ar, model = copy.deepcopy(base).to(args.device, dtype), model.to(args.device, dtype)
-    prepare_for_decoding(model)  # the eager forwards (a prompt) use the policy's kernels
+    ar, model = copy.deepcopy(base).to(args.device, ar_dtype), model.to(args.device, dtype)
+    prepare_for_decoding(model)  # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels
     prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
-    options = dict(compiled_refusion(args.device, mode), time_forwards=False)
-    compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"])
-    decode(model, refusion_tokenizer, prompts[:1], 8, **options)
-    print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
+    refusions = {}
+    for path in args.refusion:
+        options = dict(compiled_refusion(args.device, mode), time_forwards=False) if path == "compiled" else {}
+        if path == "compiled":
+            compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"])
+            print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
+        for schedule in args.draft_schedules:
+            name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"
+            settings = dict(options, draft_schedule=schedule)
+            decode(model, refusion_tokenizer, prompts[:1], 8, **settings)  # measures the prices, once per path
+            refusions[name] = partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **settings)
     ar_settings = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)
     warm_up = warm_up_compiled_ar(ar, tokenizer, prompts[:1], ar_settings)
-    print(f"compiled AR: warm-up (compiling) {warm_up.seconds:.1f} s", flush=True)
+    print(f"compiled AR: warm-up (compiling) {warm_up.seconds:.1f} s ({ar_dtype})", flush=True)
 
-    decoders = {
-        "compiled AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings),
-        "ReFusion": partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **options),
-    }
+    decoders = {"compiled AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings)}
+    decoders.update(refusions)
     if not args.no_eager:
         eager = dict(max_new_tokens=args.max_new_tokens, autoregressive=True, time_forwards=False)
         for eager_dtype in (torch.float32, torch.bfloat16):
             eager_ar = copy.deepcopy(base).to(args.device, eager_dtype)
             name = f"eager AR {str(eager_dtype).removeprefix('torch.')}"
             decoders[name] = partial(decode, eager_ar, tokenizer, **eager)
-    ars = [name for name in decoders if name != "ReFusion"]
+    ars = [name for name in decoders if name not in refusions]
     graphs, passes = compiled_graphs(), []
     for round_index in range(args.rounds):
         runs = paired_runs(decoders, prompts)
@@ -84,23 +99,26 @@ def main() -> None:
     every = {name: [run for runs in passes for run in runs[name]] for name in decoders}
     ars.sort(key=lambda name: -overall_speed(every[name]))
     print(f"\n{args.prompts} held-out prompts x {args.rounds} passes, {args.max_new_tokens} new tokens, batch 1, "
-          f"ReFusion and compiled AR in {dtype}, {mode}, {torch.get_num_threads()} threads; graphs compiled in the "
-          f"passes: {graphs}")  # fmt: skip
-    columns = " | ".join(f"{name} tokens/s" for name in ars)
-    print(f"| pass | {columns} | ReFusion tokens/s | ReFusion tokens/forward |")
-    print("| ---: " * (len(ars) + 3) + "|")
+          f"ReFusion in {dtype}, compiled AR in {ar_dtype}, {mode}, {torch.get_num_threads()} threads; graphs "
+          f"compiled in the passes: {graphs}")  # fmt: skip
+    columns = " | ".join(f"{name} tokens/s" for name in ars + list(refusions))
+    forwards = " | ".join(f"{name} tokens/forward" for name in refusions)
+    print(f"| pass | {columns} | {forwards} |")
+    print("| ---: " * (len(decoders) + len(refusions) + 1) + "|")
     for index, runs in enumerate(passes, start=1):
-        tokens_per_forward = paired_speedup(runs["ReFusion"], runs[ars[0]]).tokens_per_forward
-        speeds = " | ".join(f"{overall_speed(runs[name]):.1f}" for name in ars + ["ReFusion"])
-        print(f"| {index} | {speeds} | {tokens_per_forward:.2f} |")
+        speeds = " | ".join(f"{overall_speed(runs[name]):.1f}" for name in ars + list(refusions))
+        ratios = " | ".join(f"{paired_speedup(runs[name], runs[ars[0]]).tokens_per_forward:.2f}" for name in refusions)
+        print(f"| {index} | {speeds} | {ratios} |")
     print()
-    print("| ReFusion against | speed-up | per prompt median (quartiles) | tokens/forward | share of tokens/forward |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for rank, name in enumerate(ars):
-        speedup = paired_speedup(every["ReFusion"], every[name])
-        label = f"{name} (the fastest AR)" if rank == 0 else name
-        print(f"| {label} | {speedup.ratio:.2f}x | {speedup.median:.2f}x ({speedup.low:.2f}-{speedup.high:.2f}) | "
-              f"{speedup.tokens_per_forward:.2f} | {speedup.ratio / speedup.tokens_per_forward:.2f} |")  # fmt: skip
+    print("| decoder | against | speed-up | per prompt median (quartiles) | tokens/forward | share of tokens/forward |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name in refusions:
+        for rank, reference in enumerate(ars):
+            speedup = paired_speedup(every[name], every[reference])
+            label = f"{reference} (the fastest AR)" if rank == 0 else reference
+            print(f"| {name} | {label} | {speedup.ratio:.2f}x | {speedup.median:.2f}x ({speedup.low:.2f}-"
+                  f"{speedup.high:.2f}) | {speedup.tokens_per_forward:.2f} | "
+                  f"{speedup.ratio / speedup.tokens_per_forward:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
