@@ -33,6 +33,7 @@ from recipe.decoding import (
     compiled_refusion,
     decode,
     overall_speed,
+    overall_tokens_per_forward,
     paired_runs,
     paired_speedup,
     warm_up_compiled_ar,
@@ -66,14 +67,15 @@ def main() -> None:
     prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
     refusions = {}
     for path in args.refusion:
-        options = dict(compiled_refusion(args.device, mode), time_forwards=False) if path == "compiled" else {}
+        options = {}
         if path == "compiled":
+            options = dict(compiled_refusion(args.device, mode), time_forwards=False)
             compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"])
             print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
         for schedule in args.draft_schedules:
             name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"
             settings = dict(options, draft_schedule=schedule)
-            decode(model, refusion_tokenizer, prompts[:1], 8, **settings)  # measures the prices, once per path
+            decode(model, refusion_tokenizer, prompts[:1], 8, **settings)  # warm-up; priced: measures the prices
             refusions[name] = partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **settings)
     ar_settings = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)
     warm_up = warm_up_compiled_ar(ar, tokenizer, prompts[:1], ar_settings)
@@ -107,7 +109,7 @@ def main() -> None:
     print("| ---: " * (len(decoders) + len(refusions) + 1) + "|")
     for index, runs in enumerate(passes, start=1):
         speeds = " | ".join(f"{overall_speed(runs[name]):.1f}" for name in ars + list(refusions))
-        ratios = " | ".join(f"{paired_speedup(runs[name], runs[ars[0]]).tokens_per_forward:.2f}" for name in refusions)
+        ratios = " | ".join(f"{overall_tokens_per_forward(runs[name]):.2f}" for name in refusions)
         print(f"| {index} | {speeds} | {ratios} |")
     print()
     print("| decoder | against | speed-up | per prompt median (quartiles) | tokens/forward | share of tokens/forward |")

@@ -384,10 +384,15 @@ def paired_speedup(runs: Sequence[DecodeRun], reference: Sequence[DecodeRun]) ->
         raise ValueError("The reference runs decoded no tokens, so there is no speed to compare against.")
     ratios = sorted(run.tokens_per_second / base.tokens_per_second for run, base in pairs if run.tokens and base.tokens)
     low, median, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios or [0.0]) * 3
-    tokens_per_forward = sum(run.tokens for run in runs) / sum(run.forwards for run in runs)
-    return PairedSpeedup(overall_speed(runs) / overall_speed(reference), median, low, high, tokens_per_forward)
+    speedup = overall_speed(runs) / overall_speed(reference)
+    return PairedSpeedup(speedup, median, low, high, overall_tokens_per_forward(runs))
 
 
 def overall_speed(runs: Sequence[DecodeRun]) -> float:
     """Tokens/s of `runs` together."""
     return sum(run.tokens for run in runs) / sum(run.seconds for run in runs)
+
+
+def overall_tokens_per_forward(runs: Sequence[DecodeRun]) -> float:
+    """Tokens per forward of `runs` together."""
+    return sum(run.tokens for run in runs) / sum(run.forwards for run in runs)
