@@ -102,6 +102,7 @@ CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=
 # Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
 # a bounded number of graphs. Wider forwards (a prompt, a long plan) run eagerly over the same static cache.
 WIDTH_BUCKETS = (8, 16, 32, 64)
+RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cache lengths x batch sizes
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
@@ -1568,14 +1569,19 @@ def batch_mask(layout: CacheLayout | StaticLayout, batch: dict, sizes: list[int]
 
 def compiled_backbone(model, compile_config: CompileConfig):
     """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model
-    and config: its graphs (one per width bucket and cache length) are reused by later `generate()` calls."""
+    and config: its graphs (one per width bucket, cache length and batch size) are reused by later `generate()`
+    calls. They may number more than dynamo's default limit of graphs per function (8; past it a `fullgraph` compile
+    fails), so the calls raise that limit to `RECOMPILE_LIMIT` while they run."""
     compiled = getattr(model, "_refusion_compiled", None)
     if compiled is None or compiled[0] != compile_config:
-        compiled = (
-            copy.deepcopy(compile_config),
-            torch.compile(model.get_decoder().__call__, **compile_config.to_dict()),
-        )
-        model._refusion_compiled = compiled
+        backbone = torch.compile(model.get_decoder().__call__, **compile_config.to_dict())
+
+        def within_limit(**inputs):
+            limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                return backbone(**inputs)
+
+        compiled = model._refusion_compiled = (copy.deepcopy(compile_config), within_limit)
     return compiled[1]
 
 

@@ -146,3 +146,33 @@ def test_compiled_forwards_give_the_same_tokens_and_compile_once():
     for prompt, expected in zip(prompts, eager):  # prompts of other lengths over that cache: nothing recompiles
         assert torch.equal(model.generate(prompt, **settings), expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)
+
+
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.5), dict(do_sample=True, top_k=5)])
+def test_compiled_decodes_with_logits_processors_or_sampling_give_the_eager_tokens(options):
+    model = sharpened_model("qwen2", scale=4.0)
+    settings = dict(
+        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
+        pad_token_id=0, cache_implementation="static", compile_config=compile_config(), **options,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = model.generate(PROMPT, **{**settings, "compile_config": None})
+    columns = static_cache_columns(PROMPT.shape[1], 12, 4, 8)
+    compile_forwards(model, settings["compile_config"], 1, columns)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the decode compiled nothing
+
+
+def test_a_compiled_backbone_holds_more_graphs_than_dynamos_default_limit():
+    """Width buckets x cache lengths pass dynamo's default of 8 graphs per function, past which a `fullgraph` compile
+    fails; a decode after them still gives the eager tokens."""
+    model = sharpened_model("mistral", scale=4.0)
+    config = compile_config()
+    for columns in (128, 256, 384):  # 12 graphs
+        compile_forwards(model, config, 1, columns)
+        del model._refusion_slot_cache  # the next compiles over a cache of its own length
+    settings = dict(max_new_tokens=12, slot_size=4, block_length=8, eos_token_id=[], pad_token_id=0)
+    eager = model.generate(PROMPT, cache_implementation="static", **settings)
+    assert torch.equal(model.generate(PROMPT, cache_implementation="static", compile_config=config, **settings), eager)
