@@ -100,8 +100,11 @@ REFUSED_OPTIONS = {
 }
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=...)`: None means "dynamic"
 # Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
-# a bounded number of graphs. Wider forwards (a prompt, a long plan) run eagerly over the same static cache.
+# a bounded number of graphs. Wider forwards (a prompt, a long plan) run eagerly over the same static cache. Priced
+# drafts (`draft_schedule="price"`) also get the narrow buckets: where width is dear they choose forwards of one or two
+# queries, which padded to 8 would cost what 8 cost.
 WIDTH_BUCKETS = (8, 16, 32, 64)
+NARROW_BUCKETS = (1, 2, 4)
 RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cache lengths x batch sizes
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
@@ -666,18 +669,17 @@ def check_forward_prices(table) -> dict[int, float]:
 class ForwardPrices:
     """What a forward of `width` new tokens per row costs, from a table of measured widths: interpolated linearly
     between them, the narrowest's price below it, prorated past the widest. A width is never priced above a wider
-    one (it could run padded to it), which also bounds a measurement's noise. With `compiled`, widths are first
-    padded to their width bucket, as the forward runs."""
+    one (it could run padded to it), which also bounds a measurement's noise. With the width `buckets` of compiled
+    forwards, widths are first padded to their bucket, as the forward runs."""
 
-    def __init__(self, table: dict[int, float], compiled: bool = False):
-        self.table, self.compiled = check_forward_prices(table), compiled
+    def __init__(self, table: dict[int, float], buckets: tuple[int, ...] | None = None):
+        self.table, self.buckets = check_forward_prices(table), buckets
         self.widths = list(self.table)
         for narrower, wider in zip(reversed(self.widths[:-1]), reversed(self.widths[1:])):
             self.table[narrower] = min(self.table[narrower], self.table[wider])
 
     def __call__(self, width: int) -> float:
-        if self.compiled and width <= WIDTH_BUCKETS[-1]:
-            width = next(bucket for bucket in WIDTH_BUCKETS if bucket >= width)
+        width = pad_width(width, self.buckets)
         widths, table = self.widths, self.table
         if width <= widths[0]:
             return table[widths[0]]
@@ -1585,11 +1587,18 @@ def compiled_backbone(model, compile_config: CompileConfig):
     return compiled[1]
 
 
-def pad_width(width: int, compiled) -> int:
-    """The width a forward of `width` new tokens runs at: the nearest bucket when compiled (the widest run eagerly)."""
-    if compiled is None or width > WIDTH_BUCKETS[-1]:
+def width_buckets(draft_schedule: str) -> tuple[int, ...]:
+    """The widths compiled forwards run at under `draft_schedule`: `WIDTH_BUCKETS`, and for priced drafts the
+    `NARROW_BUCKETS` too."""
+    return NARROW_BUCKETS + WIDTH_BUCKETS if draft_schedule == "price" else WIDTH_BUCKETS
+
+
+def pad_width(width: int, buckets: tuple[int, ...] | None) -> int:
+    """The width a forward of `width` new tokens runs at: the nearest of the compiled forwards' `buckets` (None:
+    eager); wider than the widest, as it is (it runs eagerly)."""
+    if buckets is None or width > buckets[-1]:
         return width
-    return next(bucket for bucket in WIDTH_BUCKETS if bucket >= width)
+    return next(bucket for bucket in buckets if bucket >= width)
 
 
 def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
@@ -1598,16 +1607,19 @@ def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logit
     compiled graph measured 20x slower than one of 8), when the batch's width is a bucket; else through the model
     eagerly."""
     inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
-    if compiled is not None and batch["ids"].shape[1] in WIDTH_BUCKETS:
+    if compiled is not None and batch["ids"].shape[1] <= WIDTH_BUCKETS[-1]:  # a bucket (`pad_width`)
         hidden = compiled(**inputs, use_cache=True).last_hidden_state
         return model.get_output_embeddings()(hidden)[:, -num_logits:]
     return model(**inputs, use_cache=cache is not None, logits_to_keep=num_logits).logits
 
 
-def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None) -> int:
+def execute(
+    model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None, buckets=WIDTH_BUCKETS
+) -> int:
     """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
-    whole sequence), through the `compiled` backbone where given. After each forward every row scores its logits on
-    the device, and the scores of all rows come to the host in one read. Returns the number of forwards."""
+    whole sequence), through the `compiled` backbone where given, padded to its width `buckets`. After each forward
+    every row scores its logits on the device, and the scores of all rows come to the host in one read. Returns the
+    number of forwards."""
     device = decoders[0].device
     requests = [decoder.request() for decoder in decoders]
     layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
@@ -1618,7 +1630,7 @@ def execute(model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache 
         rows = layout.batch_rows(live)
         batch_requests = [requests[row] for row in rows]
         sizes = [len(request) if request else 0 for request in batch_requests]
-        width = pad_width(max(sizes), compiled)
+        width = pad_width(max(sizes), buckets if compiled is not None else None)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
             name: pad_sequence(
@@ -1675,16 +1687,18 @@ def static_cache_columns(prompt_length: int, max_new_tokens: int, slot_size: int
     return max(prompt_length + block_length, prompt_length + answer + widest)
 
 
-def compile_forwards(model, compile_config: CompileConfig, batch_size: int, max_cache_len: int) -> None:
-    """Compile the forward of every width bucket now, over the static cache for `batch_size` rows and
-    `max_cache_len` columns (`static_cache_columns`), so that later `generate(cache_implementation="static",
-    compile_config=compile_config)` calls of that batch size whose cache fits compile nothing. The forwards run on
-    padding: what they write, the mask of a decode hides."""
+def compile_forwards(
+    model, compile_config: CompileConfig, batch_size: int, max_cache_len: int, draft_schedule: str = "fixed"
+) -> None:
+    """Compile the forward of every width bucket of `draft_schedule` now, over the static cache for `batch_size`
+    rows and `max_cache_len` columns (`static_cache_columns`), so that later `generate(cache_implementation="static",
+    compile_config=compile_config)` calls of that batch size and draft schedule whose cache fits compile nothing. The
+    forwards run on padding: what they write, the mask of a decode hides."""
     cache = slot_cache(model, batch_size, max_cache_len)
     compiled = compiled_backbone(model, compile_config)
     layout = StaticLayout(cache, batch_size, model.device)
     with torch.no_grad():
-        for width in WIDTH_BUCKETS:
+        for width in width_buckets(draft_schedule):
             batch = {
                 name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
                 for name, value in PADDING.items()
@@ -1692,15 +1706,17 @@ def compile_forwards(model, compile_config: CompileConfig, batch_size: int, max_
             run_model(model, compiled, batch, batch_mask(layout, batch, [0] * batch_size, model.dtype), cache, 1)
 
 
-def measure_forward_prices(model, cache: SlotCache, compiled=None, widths=PRICE_WIDTHS, repeats=3) -> dict[int, float]:
+def measure_forward_prices(
+    model, cache: SlotCache, compiled=None, widths=PRICE_WIDTHS, repeats=3, buckets=NARROW_BUCKETS + WIDTH_BUCKETS
+) -> dict[int, float]:
     """Seconds a forward of each of `widths` new tokens per row takes over `cache` (through the `compiled` backbone
-    where given, at the width it pads to), the fastest of `repeats` after a warm-up. The forwards run on padding:
-    what they write, the mask of a decode hides."""
+    where given, at the width it pads to among `buckets`), the fastest of `repeats` after a warm-up. The forwards run
+    on padding: what they write, the mask of a decode hides."""
     batch_size, device = cache.layers[0].keys.shape[0], model.device
     layout = StaticLayout(cache, batch_size, device)
     timed, table = {}, {}
     for width in widths:
-        padded = pad_width(width, compiled)
+        padded = pad_width(width, buckets if compiled is not None else None)
         if padded not in timed:
             batch = {name: torch.full((batch_size, padded), value, dtype=torch.long, device=device)
                      for name, value in PADDING.items()}  # fmt: skip
@@ -1717,9 +1733,10 @@ def measure_forward_prices(model, cache: SlotCache, compiled=None, widths=PRICE_
     return table
 
 
-def price_key(model, cache: SlotCache, compile_config: CompileConfig | None) -> str:
+def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None) -> str:
     """What a price table holds for: the model (name, config, kinds of linear layer), the device and threads, the
-    dtype, the forward path (eager, or the compile config), the batch size and cache length, and torch's version."""
+    dtype, the forward path (eager, or the compile config and width `buckets`), the batch size and cache length, and
+    torch's version."""
     config = model.config.to_json_string(use_diff=False)
     linears = sorted({type(module).__name__ for module in model.modules() if isinstance(module, torch.nn.Linear)})
     if model.device.type == "cuda":
@@ -1733,7 +1750,7 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None) -> 
         "+".join(linears),
         f"{device} {torch.get_num_threads()} threads",
         str(model.dtype),
-        "eager" if compile_config is None else f"compiled {compile_config.to_dict()}",
+        "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}",
         f"batch {keys.shape[0]}, cache {keys.shape[2]}",
         f"torch {torch.__version__}",
     ])  # fmt: skip
@@ -1767,11 +1784,13 @@ def read_price_file(path: Path | None) -> dict:
     return stored if isinstance(stored, dict) else {}
 
 
-def measured_prices(model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None) -> ForwardPrices:
-    """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`): the one
-    measured before for the same `price_key` (kept on the model and in `price_file()`), else one measured now (once:
-    a few seconds)."""
-    key = price_key(model, cache, compile_config)
+def measured_prices(
+    model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None, buckets=NARROW_BUCKETS + WIDTH_BUCKETS
+) -> ForwardPrices:
+    """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`, padded
+    to its width `buckets`): the one measured before for the same `price_key` (kept on the model and in
+    `price_file()`), else one measured now (once: a few seconds)."""
+    key = price_key(model, cache, compile_config, buckets)
     known = getattr(model, "_refusion_prices", None)
     if known is None:
         known = model._refusion_prices = {}
@@ -1781,7 +1800,7 @@ def measured_prices(model, compile_config: CompileConfig | None, cache: SlotCach
         try:
             known[key] = check_forward_prices(stored)
         except ValueError:  # not kept, or damaged
-            known[key] = measure_forward_prices(model, cache, compiled)
+            known[key] = measure_forward_prices(model, cache, compiled, buckets=buckets)
             if path is not None:
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1791,7 +1810,7 @@ def measured_prices(model, compile_config: CompileConfig | None, cache: SlotCach
                 except OSError as error:
                     logger.warning(f"Measured forward prices could not be kept in {path} ({error}); set "
                                    f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
-    return ForwardPrices(known[key], compiled is not None)
+    return ForwardPrices(known[key], buckets if compiled is not None else None)
 
 
 def refusion_generate(
@@ -1851,25 +1870,27 @@ def refusion_generate(
             max(prompt.shape[0] for prompt in prompts), settings.max_new_tokens, settings.slot_size,
             settings.block_length,
         )  # fmt: skip
-        cache, compiled = None, None
+        cache, compiled, buckets = None, None, None
         if settings.use_cache and settings.cache_implementation == "static":
             cache = slot_cache(model, batch_size, columns)
-            compiled = compiled_backbone(model, settings.compile_config) if settings.compile_config else None
+            if settings.compile_config:
+                compiled = compiled_backbone(model, settings.compile_config)
+                buckets = width_buckets(settings.draft_schedule)
         elif settings.use_cache:
             cache = DynamicCache()
         prices = None
         if settings.draft_schedule == "price" and settings.forward_prices is not None:
-            prices = ForwardPrices(settings.forward_prices, compiled is not None)
+            prices = ForwardPrices(settings.forward_prices, buckets)
         elif settings.draft_schedule == "price":  # measured over the decode's own cache, or one like it
             priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
-            prices = measured_prices(model, settings.compile_config, priced, compiled)
+            prices = measured_prices(model, settings.compile_config, priced, compiled, buckets)
         decoders = []
         for prompt in prompts:
             processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
             watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
             decoders.append(SlotDecoder(prompt, settings, processors, watcher, prices))
         if settings.use_cache:
-            forwards = execute(model, decoders, cache, compiled)
+            forwards = execute(model, decoders, cache, compiled, buckets)
         else:
             forwards = sum(execute(model, [decoder], None) for decoder in decoders)
     if streamer is not None:

@@ -70,7 +70,9 @@ def main() -> None:
         options = {}
         if path == "compiled":
             options = dict(compiled_refusion(args.device, mode), time_forwards=False)
-            compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"])
+            schedule = "price" if "price" in args.draft_schedules else "fixed"  # its buckets serve both schedules
+            compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"],
+                                               draft_schedule=schedule)  # fmt: skip
             print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
         for schedule in args.draft_schedules:
             name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"

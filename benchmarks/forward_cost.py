@@ -174,7 +174,7 @@ def static_compiled_times(
                     parents=torch.full_like(ranks, NO_GROUP))  # fmt: skip
 
     def refusion_call(width: int, run_with=compiled) -> None:
-        batch = causal_run(layout.pointers[0], pad_width(width, run_with))
+        batch = causal_run(layout.pointers[0], pad_width(width, None if run_with is None else WIDTH_BUCKETS))
         mask = batch_mask(layout, batch, [batch["ids"].shape[1]], refusion.dtype)
         run_model(refusion, run_with, batch, mask, cache, width)
 

@@ -253,10 +253,12 @@ def compile_refusion(
     compile_config: CompileConfig,
     batch_size: int = 1,
     generation_config: GenerationConfig | None = None,
+    draft_schedule: str | None = None,
 ) -> float:
-    """Compile ReFusion's forwards for decoding `prompts` in batches of `batch_size` (every width bucket, over a static
-    cache long enough for the longest prompt, with the slot and block sizes of `generation_config`, the model's by
-    default), so that the timed decode compiles nothing; returns the seconds it took (the one-off compile time)."""
+    """Compile ReFusion's forwards for decoding `prompts` in batches of `batch_size` (every width bucket of
+    `draft_schedule`, over a static cache long enough for the longest prompt, with the slot and block sizes and the
+    draft schedule of `generation_config`, the model's by default), so that the timed decode compiles nothing;
+    returns the seconds it took (the one-off compile time)."""
     decoder = decoder_module(model)
     config = generation_config or model.generation_config
     slot_size = getattr(config, "slot_size", None) or DECODING_DEFAULTS["slot_size"]
@@ -265,7 +267,8 @@ def compile_refusion(
     columns = decoder.static_cache_columns(max(map(len, prompts)), max_new_tokens, slot_size, block_length)
     synchronize(model.device)
     started = time.perf_counter()
-    decoder.compile_forwards(model, compile_config, min(batch_size, len(prompts)), columns)
+    schedule = draft_schedule or getattr(config, "draft_schedule", None) or DECODING_DEFAULTS["draft_schedule"]
+    decoder.compile_forwards(model, compile_config, min(batch_size, len(prompts)), columns, schedule)
     synchronize(model.device)
     return time.perf_counter() - started
 

@@ -78,8 +78,10 @@ def test_the_window_grows_with_the_acceptance_rate_and_ties_take_the_fewest():
 def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
     prices = ForwardPrices({"2": 2.0, 4: 6.0, 8: 8.0})  # a JSON file's keys are strings
     assert [prices(width) for width in (1, 2, 3, 4, 6, 8, 16)] == [2.0, 2.0, 4.0, 6.0, 7.0, 8.0, 16.0]
-    compiled = ForwardPrices({8: 5.0, 16: 6.0, 32: 9.0, 64: 12.0}, compiled=True)
+    compiled = ForwardPrices({8: 5.0, 16: 6.0, 32: 9.0, 64: 12.0}, buckets=(8, 16, 32, 64))
     assert [compiled(width) for width in (1, 8, 9, 16, 17, 64, 128)] == [5.0, 5.0, 6.0, 6.0, 9.0, 12.0, 24.0]
+    narrow = ForwardPrices({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}, buckets=(1, 2, 4, 8))
+    assert [narrow(width) for width in (1, 2, 3, 5, 8)] == [1.0, 2.0, 3.0, 4.0, 4.0]
     noisy = ForwardPrices({1: 6.8, 8: 6.8, 16: 6.6, 32: 6.5, 64: 9.8})  # a width measured dearer than a wider one
     assert [noisy(width) for width in (1, 8, 16, 32, 64)] == [6.5, 6.5, 6.5, 6.5, 9.8]
 
@@ -223,13 +225,14 @@ def test_an_unwritable_file_warns_and_decodes(tmp_path, monkeypatch, caplog):
     assert "could not be kept" in caplog.text
 
 
-def test_a_table_holds_for_one_model_dtype_batch_and_path():
+def test_a_table_holds_for_one_model_dtype_batch_path_and_set_of_widths():
     model = sharpened_model("llama", scale=4.0)
     keys = {price_key(model, SlotCache(model, 1, 128), None), price_key(model, SlotCache(model, 2, 128), None)}
     compiled = generation_refusion.CompileConfig(mode="max-autotune-no-cudagraphs")
-    keys.add(price_key(model, SlotCache(model, 1, 128), compiled))
+    keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (8, 16)))
+    keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (1, 2, 8, 16)))
     keys.add(price_key(model.to(torch.float32), SlotCache(model, 1, 128), None))
-    assert len(keys) == 4
+    assert len(keys) == 5
 
 
 def test_a_generation_config_can_carry_the_schedule_and_its_prices(tmp_path):

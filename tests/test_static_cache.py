@@ -8,7 +8,9 @@ from test_batching import PROMPTS, left_padded
 from test_generation import PROMPT, sharpened_model
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
+import generation_refusion
 from generation_refusion import (
+    NARROW_BUCKETS,
     WIDTH_BUCKETS,
     SlotCache,
     SlotDecoder,
@@ -20,6 +22,7 @@ from generation_refusion import (
     resolve_settings,
     slot_cache,
     static_cache_columns,
+    width_buckets,
 )
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -103,10 +106,12 @@ def test_the_static_cache_is_reused_while_it_fits_and_replaced_when_it_does_not(
     )
 
 
-def test_widths_pad_to_buckets_only_when_compiled():
+def test_widths_pad_to_buckets_only_when_compiled_and_priced_drafts_get_narrow_ones():
     assert pad_width(3, None) == 3
-    assert [pad_width(width, object()) for width in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
-    assert pad_width(WIDTH_BUCKETS[-1] + 1, object()) == WIDTH_BUCKETS[-1] + 1  # a prompt: runs eagerly as it is
+    assert width_buckets("fixed") == WIDTH_BUCKETS and width_buckets("price") == NARROW_BUCKETS + WIDTH_BUCKETS
+    assert [pad_width(width, width_buckets("fixed")) for width in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
+    assert [pad_width(width, width_buckets("price")) for width in (1, 2, 3, 5, 9, 64)] == [1, 2, 4, 8, 16, 64]
+    assert pad_width(WIDTH_BUCKETS[-1] + 1, WIDTH_BUCKETS) == WIDTH_BUCKETS[-1] + 1  # a prompt: runs eagerly as it is
 
 
 def compile_config(all_devices: bool = True) -> CompileConfig:
@@ -176,3 +181,28 @@ def test_a_compiled_backbone_holds_more_graphs_than_dynamos_default_limit():
     settings = dict(max_new_tokens=12, slot_size=4, block_length=8, eos_token_id=[], pad_token_id=0)
     eager = model.generate(PROMPT, cache_implementation="static", **settings)
     assert torch.equal(model.generate(PROMPT, cache_implementation="static", compile_config=config, **settings), eager)
+
+
+def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_the_eager_tokens(monkeypatch):
+    model = sharpened_model("llama", scale=4.0)
+    steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0, 32: 30.0, 64: 60.0}  # width is dear: one query per slot
+    settings = dict(
+        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, fused_redraft=True,
+        eos_token_id=[], pad_token_id=0, draft_schedule="price", forward_prices=steep, cache_implementation="static",
+        compile_config=compile_config(),
+    )  # fmt: skip
+    eager = model.generate(PROMPT, **{**settings, "compile_config": None})
+    columns = static_cache_columns(PROMPT.shape[1], 12, 4, 8)
+    compile_forwards(model, settings["compile_config"], 1, columns, draft_schedule="price")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    widths, run_model = [], generation_refusion.run_model
+
+    def recorded(model, compiled, batch, *args):
+        widths.append(batch["ids"].shape[1] if compiled is not None else None)
+        return run_model(model, compiled, batch, *args)
+
+    monkeypatch.setattr(generation_refusion, "run_model", recorded)
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every bucket was compiled before
+    assert set(widths) - {None} <= set(NARROW_BUCKETS + WIDTH_BUCKETS)
+    assert min(width for width in widths if width is not None) < WIDTH_BUCKETS[0]  # narrow forwards ran narrow
