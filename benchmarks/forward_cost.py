@@ -46,6 +46,7 @@ from generation_refusion import (
     compiled_backbone,
     pad_width,
     run_model,
+    width_buckets,
 )
 from kernels_refusion import packing_plan, prepack_linears
 from recipe.decoding import compile_mode, compiled_graphs, decode, synchronize
@@ -157,10 +158,11 @@ def static_compiled_times(
     refusion: PreTrainedModel, ar: PreTrainedModel, cache_length: int, widths, repeats: int, mode: str
 ) -> tuple[dict[int, float], float]:
     """Median milliseconds of the forwards `generate(cache_implementation="static", compile_config=...)` runs:
-    ReFusion's compiled backbone over its static cache at each width (padded to its bucket as the decoder pads it;
-    a width past the widest bucket runs eagerly) plus the output layer for the `width` queries, and transformers'
-    compiled one-query AR step over its `StaticCache` (the compiled AR `generate()`'s step). Both after a cache of
-    `cache_length` random tokens, which every call sees again (the write pointers move back after each)."""
+    ReFusion's compiled backbone over its static cache at each width (padded to its bucket as the decoder pads it
+    with priced drafts, whose buckets include the narrow ones; a width past the widest bucket runs eagerly) plus the
+    output layer for the `width` queries, and transformers' compiled one-query AR step over its `StaticCache` (the
+    compiled AR `generate()`'s step). Both after a cache of `cache_length` random tokens, which every call sees
+    again (the write pointers move back after each)."""
     config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
     generator = torch.Generator().manual_seed(0)
     vocab, device = refusion.config.get_text_config(decoder=True).vocab_size, refusion.device
@@ -174,7 +176,7 @@ def static_compiled_times(
                     parents=torch.full_like(ranks, NO_GROUP))  # fmt: skip
 
     def refusion_call(width: int, run_with=compiled) -> None:
-        batch = causal_run(layout.pointers[0], pad_width(width, None if run_with is None else WIDTH_BUCKETS))
+        batch = causal_run(layout.pointers[0], pad_width(width, None if run_with is None else width_buckets("price")))
         mask = batch_mask(layout, batch, [batch["ids"].shape[1]], refusion.dtype)
         run_model(refusion, run_with, batch, mask, cache, width)
 

@@ -72,8 +72,8 @@ def test_static_compiled_rows_time_the_bucketed_decoder_and_the_compiled_ar_step
     graphs = forward_cost.compiled_graphs()
     times, ar_ms = forward_cost.static_compiled_times(model, ar, 12, [1, 3, 70], 2, "default")
     assert set(times) == {1, 3, 70} and min(times.values()) > 0 and ar_ms > 0
-    # widths 1 and 3 share the bucket of 8 (one graph), 70 runs eagerly; the AR step is one more graph
-    assert forward_cost.compiled_graphs() - graphs == 2
+    # widths 1 and 3 run at the priced decoder's buckets of 1 and 4 (a graph each), 70 eagerly; the AR step is one more
+    assert forward_cost.compiled_graphs() - graphs == 3
 
 
 def test_decode_mix_counts_every_forward_but_each_answers_first(converted):
