@@ -1573,15 +1573,18 @@ def compiled_backbone(model, compile_config: CompileConfig):
     """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model
     and config: its graphs (one per width bucket, cache length and batch size) are reused by later `generate()`
     calls. They may number more than dynamo's default limit of graphs per function (8; past it a `fullgraph` compile
-    fails), so the calls raise that limit to `RECOMPILE_LIMIT` while they run."""
+    fails), so the calls raise that limit to `RECOMPILE_LIMIT` while they run. The function compiled is this file's
+    own (dynamo counts graphs per function: compiling `module.__call__` would share the count with every other
+    compiled module, such as a compiled AR's)."""
     compiled = getattr(model, "_refusion_compiled", None)
     if compiled is None or compiled[0] != compile_config:
-        backbone = torch.compile(model.get_decoder().__call__, **compile_config.to_dict())
+        decoder = model.get_decoder()
+        backbone = torch.compile(lambda inputs: decoder(**inputs), **compile_config.to_dict())
 
         def within_limit(**inputs):
             limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
             with torch._dynamo.config.patch(recompile_limit=limit):
-                return backbone(**inputs)
+                return backbone(inputs)
 
         compiled = model._refusion_compiled = (copy.deepcopy(compile_config), within_limit)
     return compiled[1]
