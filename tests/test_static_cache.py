@@ -206,4 +206,3 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every bucket was compiled before
     assert set(widths) - {None} <= set(NARROW_BUCKETS + WIDTH_BUCKETS)
     assert min(width for width in widths if width is not None) < WIDTH_BUCKETS[0]  # narrow forwards ran narrow
-
