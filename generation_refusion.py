@@ -1606,9 +1606,8 @@ def pad_width(width: int, buckets: tuple[int, ...] | None) -> int:
 
 def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
     """The logits of each row's last `num_logits` tokens: through the `compiled` backbone, then the output layer over
-    the whole bucket (a fixed shape too: on an AMX CPU a bfloat16 product of fewer than 8 rows run right after a
-    compiled graph measured 20x slower than one of 8), when the batch's width is a bucket; else through the model
-    eagerly."""
+    the whole bucket (eagerly, so that prepacked weights serve it: on an AMX CPU the output layer inside the compiled
+    graph made decoding 5% slower), when the batch's width is a bucket; else through the model eagerly."""
     inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
     if compiled is not None and batch["ids"].shape[1] <= WIDTH_BUCKETS[-1]:  # a bucket (`pad_width`)
         hidden = compiled(**inputs, use_cache=True).last_hidden_state
