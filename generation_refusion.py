@@ -1616,7 +1616,7 @@ def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logit
 
 
 def execute(
-    model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None, buckets=WIDTH_BUCKETS
+    model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None, buckets=None
 ) -> int:
     """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
     whole sequence), through the `compiled` backbone where given, padded to its width `buckets`. After each forward
@@ -1632,7 +1632,7 @@ def execute(
         rows = layout.batch_rows(live)
         batch_requests = [requests[row] for row in rows]
         sizes = [len(request) if request else 0 for request in batch_requests]
-        width = pad_width(max(sizes), buckets if compiled is not None else None)
+        width = pad_width(max(sizes), buckets)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
             name: pad_sequence(
@@ -1709,16 +1709,16 @@ def compile_forwards(
 
 
 def measure_forward_prices(
-    model, cache: SlotCache, compiled=None, widths=PRICE_WIDTHS, repeats=3, buckets=NARROW_BUCKETS + WIDTH_BUCKETS
+    model, cache: SlotCache, compiled=None, widths=PRICE_WIDTHS, repeats=3, buckets=None
 ) -> dict[int, float]:
     """Seconds a forward of each of `widths` new tokens per row takes over `cache` (through the `compiled` backbone
-    where given, at the width it pads to among `buckets`), the fastest of `repeats` after a warm-up. The forwards run
-    on padding: what they write, the mask of a decode hides."""
+    where given, at the width it pads to among its `buckets`), the fastest of `repeats` after a warm-up. The
+    forwards run on padding: what they write, the mask of a decode hides."""
     batch_size, device = cache.layers[0].keys.shape[0], model.device
     layout = StaticLayout(cache, batch_size, device)
     timed, table = {}, {}
     for width in widths:
-        padded = pad_width(width, buckets if compiled is not None else None)
+        padded = pad_width(width, buckets)
         if padded not in timed:
             batch = {name: torch.full((batch_size, padded), value, dtype=torch.long, device=device)
                      for name, value in PADDING.items()}  # fmt: skip
@@ -1787,7 +1787,7 @@ def read_price_file(path: Path | None) -> dict:
 
 
 def measured_prices(
-    model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None, buckets=NARROW_BUCKETS + WIDTH_BUCKETS
+    model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None, buckets=None
 ) -> ForwardPrices:
     """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`, padded
     to its width `buckets`): the one measured before for the same `price_key` (kept on the model and in
@@ -1812,7 +1812,7 @@ def measured_prices(
                 except OSError as error:
                     logger.warning(f"Measured forward prices could not be kept in {path} ({error}); set "
                                    f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
-    return ForwardPrices(known[key], buckets if compiled is not None else None)
+    return ForwardPrices(known[key], buckets)
 
 
 def refusion_generate(
