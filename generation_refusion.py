@@ -1575,19 +1575,55 @@ def compiled_backbone(model, compile_config: CompileConfig):
     calls. They may number more than dynamo's default limit of graphs per function (8; past it a `fullgraph` compile
     fails), so the calls raise that limit to `RECOMPILE_LIMIT` while they run. The function compiled is this file's
     own (dynamo counts graphs per function: compiling `module.__call__` would share the count with every other
-    compiled module, such as a compiled AR's)."""
+    compiled module, such as a compiled AR's).
+
+    With inductor's weight freezing (`"freezing": True` among `compile_config.options`, which here may go with a
+    `mode`, or `torch._inductor.config.freezing = True`), the weights become constants of the graphs, packed for the
+    machine's GEMM kernels. Dynamo reads that switch while it traces, where torch.compile's options do not reach, so
+    the calls set it themselves. Graphs then hold the weights of the moment they were compiled: when a weight has
+    changed since (in place or replaced), a fresh backbone compiles again, so a decode never runs old weights."""
+    weights = frozen_weights(model, compile_config)
     compiled = getattr(model, "_refusion_compiled", None)
-    if compiled is None or compiled[0] != compile_config:
-        decoder = model.get_decoder()
-        backbone = torch.compile(lambda inputs: decoder(**inputs), **compile_config.to_dict())
+    if compiled is None or compiled[0] != compile_config or compiled[1] != weights:
+        arguments = compile_config.to_dict()
+        options = {key: value for key, value in (arguments.pop("options") or {}).items() if key != "freezing"}
+        backbone = torch.compile(decoder_function(model.get_decoder()), **arguments, options=options or None)
+        freezing = weights is not None
 
         def within_limit(**inputs):
             limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-            with torch._dynamo.config.patch(recompile_limit=limit):
+            with torch._dynamo.config.patch(recompile_limit=limit), torch._inductor.config.patch(freezing=freezing):
                 return backbone(inputs)
 
-        compiled = model._refusion_compiled = (copy.deepcopy(compile_config), within_limit)
-    return compiled[1]
+        compiled = model._refusion_compiled = (copy.deepcopy(compile_config), weights, within_limit)
+    return compiled[2]
+
+
+def decoder_function(decoder):
+    """`decoder(**inputs)` as a function with a code object of its own: dynamo keeps compiled graphs per code
+    object, so a new one starts with none (graphs with frozen weights of an earlier compile are not reused)."""
+
+    def backbone(inputs: dict):
+        return decoder(**inputs)
+
+    code = backbone.__code__.replace(co_name=f"refusion_backbone_{id(decoder):x}")
+    return type(backbone)(code, backbone.__globals__, code.co_name, None, backbone.__closure__)
+
+
+def frozen_weights(model, compile_config: CompileConfig) -> tuple | None:
+    """None unless `compile_config` freezes weights into the graphs (its `options`' "freezing", by default inductor's
+    global `torch._inductor.config.freezing`); then what identifies the model's current weights: each parameter's
+    and buffer's memory, dtype and version (any in-place change moves the version)."""
+    if not freezes_weights(compile_config):
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple((tensor.data_ptr(), tensor.dtype, tensor._version if not tensor.is_inference() else -1)
+                 for tensor in tensors)  # fmt: skip
+
+
+def freezes_weights(compile_config: CompileConfig) -> bool:
+    """Whether inductor compiles under `compile_config` with the weights frozen into the graphs."""
+    return bool((compile_config.options or {}).get("freezing", torch._inductor.config.freezing))
 
 
 def width_buckets(draft_schedule: str) -> tuple[int, ...]:
@@ -1752,7 +1788,8 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buc
         "+".join(linears),
         f"{device} {torch.get_num_threads()} threads",
         str(model.dtype),
-        "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}",
+        "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}"
+        + (", frozen weights" if freezes_weights(compile_config) else ""),
         f"batch {keys.shape[0]}, cache {keys.shape[2]}",
         f"torch {torch.__version__}",
     ])  # fmt: skip

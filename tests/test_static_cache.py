@@ -206,3 +206,52 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every bucket was compiled before
     assert set(widths) - {None} <= set(NARROW_BUCKETS + WIDTH_BUCKETS)
     assert min(width for width in widths if width is not None) < WIDTH_BUCKETS[0]  # narrow forwards ran narrow
+
+
+def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a_weight_change():
+    """Inductor's weight freezing (asked for in the compile options, beside a mode) makes the weights constants of
+    the graphs: a decode gives the eager tokens, also over a new cache of the same shape; after a weight is replaced,
+    the graphs compiled before would decode with the old weight, and the next decode compiles afresh instead."""
+    model = sharpened_model("llama", scale=4.0)
+    frozen = CompileConfig(fullgraph=True, dynamic=False, mode="default", options={"freezing": True})
+    frozen._compile_all_devices = True
+    settings = dict(
+        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
+        pad_token_id=0, cache_implementation="static", compile_config=frozen,
+    )  # fmt: skip
+    eager = model.generate(PROMPT, **{**settings, "compile_config": None})
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    del model._refusion_slot_cache  # a new cache of the same shape: the graphs take it as an input, not a constant
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight.data = layer.weight.data * -3.0  # the same parameter, new memory
+    changed = model.generate(PROMPT, **{**settings, "compile_config": None})
+    assert not torch.equal(changed, eager)  # the change matters to the answer
+    config, _, old_graphs = model._refusion_compiled
+    model._refusion_compiled = (config, generation_refusion.frozen_weights(model, frozen), old_graphs)
+    assert torch.equal(model.generate(PROMPT, **settings), eager)  # the weights were frozen: the old graphs are stale
+    del model._refusion_compiled
+    model.generate(PROMPT, **settings)  # a first backbone over these weights, then a weight change again:
+    layer.weight.data = layer.weight.data * -1.0
+    restored = model.generate(PROMPT, **{**settings, "compile_config": None})
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert torch.equal(model.generate(PROMPT, **settings), restored)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # compiled again with the new weights
+    assert generation_refusion.frozen_weights(model, frozen) == model._refusion_compiled[1]
+
+
+def test_without_freezing_a_weight_change_reuses_the_compiled_graphs():
+    """Unfrozen graphs read the weights at every call: a changed weight needs no new compile (and gets none)."""
+    assert not generation_refusion.freezes_weights(compile_config())
+    model = sharpened_model("qwen3", scale=4.0)
+    settings = dict(
+        max_new_tokens=12, slot_size=4, block_length=8, eos_token_id=[], pad_token_id=0, cache_implementation="static",
+        compile_config=compile_config(),
+    )  # fmt: skip
+    model.generate(PROMPT, **settings)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    expected = model.generate(PROMPT, **{**settings, "compile_config": None})
+    assert torch.equal(model.generate(PROMPT, **settings), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
