@@ -1,7 +1,7 @@
 """ReFusion against the base model's AR, timed prompt by prompt, back to back (prints a table).
 
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
-        [--refusion compiled eager] [--draft_schedules fixed price] [--dtype DTYPE] [--ar_dtype bfloat16]
+        [--refusion compiled eager] [--draft_schedules fixed price] [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
 turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and
@@ -15,6 +15,10 @@ measures on this machine). Which decoder goes first rotates from prompt to promp
 all runs against each AR, the fastest AR named first: the ratio, the median and quartiles of the per-prompt ratios,
 ReFusion's tokens per forward, and the speed-up as a share of it (what the speed-up would be if a ReFusion forward
 cost what an AR step costs: 1.0). The compiled decoders compile before the first pass (times printed apart).
+`--freeze` compiles ReFusion with inductor's weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`:
+weights become constants of the graphs, packed for the machine's GEMM kernels; inductor's disk cache does not keep
+such graphs, so each process compiles them again). The compiled AR stays unfrozen: transformers' static-cache
+`generate()` fails under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache write).
 """
 
 import argparse
@@ -56,6 +60,7 @@ def main() -> None:
                         help="ReFusion's draft schedules (each decoded with each of --refusion)")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
     parser.add_argument("--ar_dtype", default="bfloat16", help="the compiled AR's dtype")
+    parser.add_argument("--freeze", action="store_true", help="freeze ReFusion's weights into its compiled graphs")
     args = parser.parse_args()
     dtype, mode = decoding_dtype(args.dtype, args.device), args.mode or compile_mode(args.device)
     ar_dtype = decoding_dtype(args.ar_dtype, args.device)
@@ -69,7 +74,7 @@ def main() -> None:
     for path in args.refusion:
         options = {}
         if path == "compiled":
-            options = dict(compiled_refusion(args.device, mode), time_forwards=False)
+            options = dict(compiled_refusion(args.device, mode, args.freeze), time_forwards=False)
             schedule = "price" if "price" in args.draft_schedules else "fixed"  # its buckets serve both schedules
             compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"],
                                                draft_schedule=schedule)  # fmt: skip
@@ -103,7 +108,8 @@ def main() -> None:
     every = {name: [run for runs in passes for run in runs[name]] for name in decoders}
     ars.sort(key=lambda name: -overall_speed(every[name]))
     print(f"\n{args.prompts} held-out prompts x {args.rounds} passes, {args.max_new_tokens} new tokens, batch 1, "
-          f"ReFusion in {dtype}, compiled AR in {ar_dtype}, {mode}, {torch.get_num_threads()} threads; graphs "
+          f"ReFusion in {dtype}{' (weights frozen into its graphs)' if args.freeze else ''}, compiled AR in "
+          f"{ar_dtype}, {mode}, {torch.get_num_threads()} threads; graphs "
           f"compiled in the passes: {graphs}")  # fmt: skip
     columns = " | ".join(f"{name} tokens/s" for name in ars + list(refusions))
     forwards = " | ".join(f"{name} tokens/forward" for name in refusions)

@@ -224,11 +224,15 @@ def compile_mode(device: str | torch.device) -> str:
     return "reduce-overhead" if torch.device(device).type == "cuda" else "max-autotune-no-cudagraphs"
 
 
-def compiled_refusion(device: str | torch.device, mode: str | None = None) -> dict:
+def compiled_refusion(device: str | torch.device, mode: str | None = None, freeze: bool = False) -> dict:
     """The `generate()` options that decode ReFusion with compiled forwards over its static cache on `device`, in
     `mode` (default: `compile_mode`): transformers' `cache_implementation="static"` and a `compile_config` that
-    compiles on every device (transformers, and ReFusion's decoder with it, compile only on CUDA otherwise)."""
-    config = CompileConfig(fullgraph=True, dynamic=False, mode=mode or compile_mode(device))
+    compiles on every device (transformers, and ReFusion's decoder with it, compile only on CUDA otherwise). With
+    `freeze`, inductor freezes the weights into the graphs (`options={"freezing": True}`, which ReFusion's decoder
+    applies itself): faster forwards on a CPU, but every process compiles them again (inductor's disk cache does not
+    keep such graphs)."""
+    options = {"freezing": True} if freeze else None
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=mode or compile_mode(device), options=options)
     config._compile_all_devices = True
     return {"cache_implementation": "static", "compile_config": config}
 

@@ -254,6 +254,19 @@ def test_compile_refusion_compiles_the_forwards_the_loaded_decoder_then_reuses(t
     assert compiled_graphs() - graphs == len(module.WIDTH_BUCKETS)  # nothing compiled in the decode
 
 
+def test_compiled_refusion_with_freeze_asks_for_freezing_beside_the_mode():
+    plain = compiled_refusion("cpu", mode="max-autotune-no-cudagraphs")["compile_config"]
+    assert (plain.mode, plain.options) == ("max-autotune-no-cudagraphs", None)
+    assert not generation_refusion.freezes_weights(plain)
+    frozen = compiled_refusion("cpu", mode="max-autotune-no-cudagraphs", freeze=True)["compile_config"]
+    assert (frozen.mode, frozen.options, frozen._compile_all_devices) == (
+        "max-autotune-no-cudagraphs",
+        {"freezing": True},
+        True,
+    )
+    assert generation_refusion.freezes_weights(frozen)
+
+
 def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_them(tmp_path):
     tokenizer = tiny_tokenizer()
     model = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).double().eval()
