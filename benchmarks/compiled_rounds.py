@@ -17,8 +17,13 @@ ReFusion's tokens per forward, and the speed-up as a share of it (what the speed
 cost what an AR step costs: 1.0). The compiled decoders compile before the first pass (times printed apart).
 `--freeze` compiles ReFusion with inductor's weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`:
 weights become constants of the graphs, packed for the machine's GEMM kernels; inductor's disk cache does not keep
-such graphs, so each process compiles them again). The compiled AR stays unfrozen: transformers' static-cache
+such graphs, so each process compiles them again). transformers' compiled AR stays unfrozen: its static-cache
 `generate()` fails under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache write).
+
+With compiled ReFusion, a fourth AR decodes beside them: `static AR` (`recipe.decoding.decode_static_ar`), token by
+token over ReFusion's static cache through the same compiled (with `--freeze`, frozen) backbone in ReFusion's dtype,
+so that its step is ReFusion's one-query forward. It is the like-for-like reference of a compiled ReFusion: the
+speed-up against it is tokens per forward over the price of ReFusion's forwards on the same kernels.
 """
 
 import argparse
@@ -36,10 +41,12 @@ from recipe.decoding import (
     compiled_graphs,
     compiled_refusion,
     decode,
+    decode_static_ar,
     overall_speed,
     overall_tokens_per_forward,
     paired_runs,
     paired_speedup,
+    static_cache_length,
     warm_up_compiled_ar,
 )
 from recipe.evaluate import benchmark_prompts
@@ -89,6 +96,16 @@ def main() -> None:
     print(f"compiled AR: warm-up (compiling) {warm_up.seconds:.1f} s ({ar_dtype})", flush=True)
 
     decoders = {"compiled AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings)}
+    if "compiled" in args.refusion:
+        static_ar = copy.deepcopy(base).to(args.device, dtype)
+        prepare_for_decoding(static_ar)  # its output layer runs eagerly, as ReFusion's does
+        static_settings = dict(compile_config=compiled_refusion(args.device, mode, args.freeze)["compile_config"],
+                               max_cache_len=static_cache_length(prompts, args.max_new_tokens))  # fmt: skip
+        warm_up = decode_static_ar(static_ar, tokenizer, prompts[:1], 3, eos_token_id=[], **static_settings)
+        name = "static AR" + (" (frozen)" if args.freeze else "")
+        print(f"{name}: warm-up (compiling its one-query step) {warm_up.seconds:.1f} s ({dtype})", flush=True)
+        decoders[name] = partial(decode_static_ar, static_ar, tokenizer, max_new_tokens=args.max_new_tokens,
+                                 **static_settings)  # fmt: skip
     decoders.update(refusions)
     if not args.no_eager:
         eager = dict(max_new_tokens=args.max_new_tokens, autoregressive=True, time_forwards=False)

@@ -8,6 +8,8 @@ tokens per forward of the two decoders are computed the same way; a ReFusion run
 `decode_compiled_ar` decodes token by token with transformers' compiled static-cache `generate()`, the fastest AR a
 transformers user gets on many machines: it compiles once (reported as `compile_seconds`) before the timed decode, and
 counts the graphs compiled during it (`recompiles`: 0 when one static cache length serves every prompt).
+`decode_static_ar` decodes token by token over ReFusion's own static cache and compiled (optionally frozen) forward:
+the AR whose step costs what ReFusion's one-query forward costs.
 
 `paired_runs` times several decoders prompt by prompt, back to back, and `paired_speedup` compares them: on a shared
 machine that is the comparison that holds still.
@@ -351,6 +353,75 @@ def warm_up_compiled_ar(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     if getattr(model, "_compiled_call", None) is None:  # transformers skipped compiling, and warned why
         raise RuntimeError(f"transformers' generate() did not compile {type(model).__name__} on {model.device}.")
     return warm_up
+
+
+@torch.no_grad()
+def decode_static_ar(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    compile_config: CompileConfig | None = None,
+    max_cache_len: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> DecodeRun:
+    """Greedy token-by-token decoding of each prompt alone over ReFusion's static cache (`SlotCache`) and through its
+    compiled backbone (`compiled_backbone(model, compile_config)`; eager without a config): the AR whose step is
+    exactly ReFusion's one-query forward. With weights frozen into the graphs (`compiled_refusion(freeze=True)`) it
+    is the frozen AR that transformers' compiled `generate()` cannot give (its static cache write fails under
+    freezing), so frozen ReFusion has a like-for-like reference.
+
+    The prompt runs eagerly, then each step feeds the last token as one query at the next cache column and RoPE
+    position, the output layer eager as in ReFusion's forwards (`run_model`), and reads the argmax (the one wait per
+    token, for the stop check that `generate()` makes too). The cache holds `max_cache_len` columns (default: the
+    longest prompt plus `max_new_tokens`, rounded up by the decoder); a compiled step has one graph per cache length.
+    Forwards are counted as for every AR decode, one per generated position; they are not timed apart."""
+    decoder = generation_refusion
+    stop_ids = stop_token_ids(model, tokenizer, eos_token_id)
+    stop = torch.tensor(sorted(stop_ids), device=model.device)
+    needed = max_cache_len or max(len(prompt) for prompt in prompts) + max_new_tokens
+    compiled = decoder.compiled_backbone(model, compile_config) if compile_config is not None else None
+    answers, seconds, forwards = [], 0.0, 0
+    for prompt in prompts:
+        if len(prompt) + max_new_tokens > needed:
+            raise ValueError(f"A prompt of {len(prompt)} tokens and {max_new_tokens} new ones need more than the "
+                             f"{needed} cache columns asked for (max_cache_len).")  # fmt: skip
+        cache = decoder.slot_cache(model, 1, needed)
+        columns = torch.arange(cache.max_cache_len, device=model.device)
+        synchronize(model.device)
+        begin = time.perf_counter()
+        length = len(prompt)
+        ids = torch.tensor([prompt], device=model.device)
+        cache.columns = columns[None, :length]
+        prompt_mask = additive_mask(columns[None, :] <= columns[:length, None], model.dtype)
+        logits = model(input_ids=ids, position_ids=cache.columns, attention_mask=prompt_mask, cache=cache,
+                       use_cache=True, logits_to_keep=1).logits  # fmt: skip
+        tokens = []
+        while True:
+            token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            if torch.isin(token, stop).item() or len(tokens) == max_new_tokens:
+                break
+            cache.columns = columns[None, length : length + 1]
+            mask = additive_mask(columns[None, :] <= length, model.dtype)
+            inputs = dict(input_ids=token, position_ids=cache.columns, attention_mask=mask, cache=cache, use_cache=True)
+            if compiled is None:
+                logits = model(**inputs, logits_to_keep=1).logits
+            else:
+                logits = model.get_output_embeddings()(compiled(**inputs).last_hidden_state)
+            length += 1
+        synchronize(model.device)
+        seconds += time.perf_counter() - begin
+        generated = torch.cat(tokens, dim=1)[0].tolist()
+        answers.append(cut_answer(generated, stop_ids))
+        forwards += len(generated)
+    return DecodeRun(answers, seconds, forwards, None)
+
+
+def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The `[1, 1, queries, keys]` additive attention mask in `dtype` of a boolean `[queries, keys]` visibility."""
+    mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device)
+    return mask.masked_fill(~sees, torch.finfo(dtype).min)[None, None]
 
 
 def paired_runs(

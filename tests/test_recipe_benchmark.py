@@ -23,6 +23,7 @@ from recipe.decoding import (
     cut_answer,
     decode,
     decode_compiled_ar,
+    decode_static_ar,
     decoder_module,
     paired_runs,
     paired_speedup,
@@ -187,6 +188,33 @@ def test_compiled_ar_decode_answers_as_eager_ar_and_compiles_once_for_prompts_of
     table = quality_speed.markdown(results)
     assert f"| {name} | 1 |" in table and "| - |" in table  # its forwards are not timed apart
     assert 'CompileConfig(mode="default")), compiled on every device; one-off compile' in table
+
+
+def test_static_cache_ar_answers_as_generate_eager_compiled_and_frozen_without_recompiling():
+    """AR over ReFusion's static cache: eager (float64), the greedy answers and forwards of transformers' generate();
+    compiled with frozen weights (float32), the answers of its own eager run, one graph for prompts of every length
+    that fit the cache, and decodes stopped at the first stop token or at max_new_tokens."""
+    tokenizer = tiny_tokenizer()
+    base = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).eval()
+    prompts = prompt_token_ids(tokenizer, PROMPTS)
+    assert len({len(prompt) for prompt in prompts}) > 1
+    model = copy.deepcopy(base).double()
+    for prompt in prompts:
+        expected = decode(model, tokenizer, [prompt], max_new_tokens=8)
+        static = decode_static_ar(model, tokenizer, [prompt], max_new_tokens=8)
+        assert static.answers == expected.answers and static.forwards == expected.forwards
+    endless = decode_static_ar(model, tokenizer, prompts[:1], max_new_tokens=5, eos_token_id=[])
+    assert endless.forwards == 5 and len(endless.answers[0]) == 5
+    with pytest.raises(ValueError, match="max_cache_len"):
+        decode_static_ar(model, tokenizer, prompts[:1], max_new_tokens=8, max_cache_len=4)
+
+    eager = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, max_cache_len=64)
+    frozen = compiled_refusion("cpu", mode="default", freeze=True)["compile_config"]
+    graphs = compiled_graphs()
+    compiled = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, compile_config=frozen, max_cache_len=64)
+    assert compiled.answers == eager.answers and compiled.forwards == eager.forwards
+    assert compiled_graphs() - graphs == 1  # the one-query step, for every prompt
+    assert base._refusion_compiled[1] is not None  # the weights were frozen into it
 
 
 def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():
