@@ -231,8 +231,8 @@ def compiled_refusion(device: str | torch.device, mode: str | None = None, freez
     `mode` (default: `compile_mode`): transformers' `cache_implementation="static"` and a `compile_config` that
     compiles on every device (transformers, and ReFusion's decoder with it, compile only on CUDA otherwise). With
     `freeze`, inductor freezes the weights into the graphs (`options={"freezing": True}`, which ReFusion's decoder
-    applies itself): faster forwards on a CPU, but every process compiles them again (inductor's disk cache does not
-    keep such graphs)."""
+    applies itself): faster forwards on a CPU, but a long compile (minutes; on the AMX CPU inductor's disk cache did
+    not keep such graphs, on the AVX2 CPU it did)."""
     options = {"freezing": True} if freeze else None
     config = CompileConfig(fullgraph=True, dynamic=False, mode=mode or compile_mode(device), options=options)
     config._compile_all_devices = True
