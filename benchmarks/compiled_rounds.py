@@ -17,8 +17,9 @@ ReFusion's tokens per forward, and the speed-up as a share of it (what the speed
 cost what an AR step costs: 1.0). The compiled decoders compile before the first pass (times printed apart).
 `--freeze` compiles ReFusion with inductor's weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`:
 weights become constants of the graphs, packed for the machine's GEMM kernels; minutes of compiling, and on the
-AMX CPU inductor's disk cache did not keep such graphs, so each process compiled them again). transformers' compiled AR stays unfrozen: its static-cache
-`generate()` fails under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache write).
+AMX CPU inductor's disk cache did not keep such graphs, so each process compiled them again). transformers'
+compiled AR stays unfrozen: its static-cache `generate()` fails under freezing (torch 2.13, transformers 5.24: an
+index out of bounds in its cache write).
 
 With compiled ReFusion, a fourth AR decodes beside them: `static AR` (`recipe.decoding.decode_static_ar`), token by
 token over ReFusion's static cache through the same compiled (with `--freeze`, frozen) backbone in ReFusion's dtype,
