@@ -376,25 +376,24 @@ def decode_static_ar(
     token, for the stop check that `generate()` makes too). The cache holds `max_cache_len` columns (default: the
     longest prompt plus `max_new_tokens`, rounded up by the decoder); a compiled step has one graph per cache length.
     Forwards are counted as for every AR decode, one per generated position; they are not timed apart."""
-    decoder = generation_refusion
     stop_ids = stop_token_ids(model, tokenizer, eos_token_id)
     stop = torch.tensor(sorted(stop_ids), device=model.device)
     needed = max_cache_len or max(len(prompt) for prompt in prompts) + max_new_tokens
-    compiled = decoder.compiled_backbone(model, compile_config) if compile_config is not None else None
+    cache = generation_refusion.slot_cache(model, 1, needed)
+    columns = torch.arange(cache.max_cache_len, device=model.device)
+    causal = additive_mask(columns[None, :] <= columns[:, None], model.dtype)  # row i: the query at column i
+    compiled = generation_refusion.compiled_backbone(model, compile_config) if compile_config is not None else None
     answers, seconds, forwards = [], 0.0, 0
     for prompt in prompts:
         if len(prompt) + max_new_tokens > needed:
             raise ValueError(f"A prompt of {len(prompt)} tokens and {max_new_tokens} new ones need more than the "
                              f"{needed} cache columns asked for (max_cache_len).")  # fmt: skip
-        cache = decoder.slot_cache(model, 1, needed)
-        columns = torch.arange(cache.max_cache_len, device=model.device)
         synchronize(model.device)
         begin = time.perf_counter()
         length = len(prompt)
         ids = torch.tensor([prompt], device=model.device)
         cache.columns = columns[None, :length]
-        prompt_mask = additive_mask(columns[None, :] <= columns[:length, None], model.dtype)
-        logits = model(input_ids=ids, position_ids=cache.columns, attention_mask=prompt_mask, cache=cache,
+        logits = model(input_ids=ids, position_ids=cache.columns, attention_mask=causal[:, :, :length], cache=cache,
                        use_cache=True, logits_to_keep=1).logits  # fmt: skip
         tokens = []
         while True:
@@ -403,7 +402,7 @@ def decode_static_ar(
             if torch.isin(token, stop).item() or len(tokens) == max_new_tokens:
                 break
             cache.columns = columns[None, length : length + 1]
-            mask = additive_mask(columns[None, :] <= length, model.dtype)
+            mask = causal[:, :, length : length + 1]
             inputs = dict(input_ids=token, position_ids=cache.columns, attention_mask=mask, cache=cache, use_cache=True)
             if compiled is None:
                 logits = model(**inputs, logits_to_keep=1).logits
