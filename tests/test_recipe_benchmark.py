@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import generation_refusion
 from benchmarks import decode as decode_benchmark
-from benchmarks import quality_speed
+from benchmarks import draft_sources, quality_speed
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion, save_refusion
 from generation_refusion import DECODING_FIELDS, check_decoding
@@ -427,3 +427,30 @@ def test_every_benchmark_row_is_a_whole_valid_decoding_setting(grid, name):
     decoding = GRIDS[grid][name]
     assert sorted(decoding) == sorted(DECODING_FIELDS)
     assert check_decoding(decoding) == decoding  # valid, and nothing left to a default
+
+
+def test_draft_checks_in_one_forward_equal_a_forward_per_draft():
+    """benchmarks.draft_sources puts every [MASK] draft query after the answer in one forward; each must see what a
+    plan query of its own would: the prompt, the answer tokens before its point, and itself at its target's position."""
+    tokenizer = tiny_tokenizer()
+    backbone = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
+    model, tokenizer = convert_to_refusion(backbone, tokenizer)
+    model = model.double().eval()
+    prompt, answer = prompt_token_ids(tokenizer, PROMPTS[:1])[0], [17, 42, 99, 5, 63]
+    settings = dict(token_threshold=0.01, slot_threshold=0.02)
+    checks = draft_sources.check_drafts(model, prompt, answer, max_distance=3, settings=settings)
+    seen, distance, target = draft_sources.draft_queries(len(prompt), len(answer), 3)
+    assert distance.tolist() == checks["distance"].tolist() and len(distance) == 5 + 4 + 3
+    mask_id = model.generation_config.mask_token_id
+    with torch.no_grad():
+        ar = model(torch.tensor([prompt + answer])).logits[0].softmax(-1)
+        for query, (a, d, j) in enumerate(zip(seen.tolist(), distance.tolist(), target.tolist())):
+            ids = torch.tensor([prompt + answer[:a] + [mask_id]])
+            positions = torch.tensor([list(range(len(prompt) + a)) + [len(prompt) + j]])
+            probabilities = model(ids, position_ids=positions).logits[0, -1].softmax(-1)
+            probabilities[mask_id] = -1
+            draft = int(probabilities.argmax())
+            assert a + d - 1 == j
+            assert bool(checks["ar_token"][query]) == (draft == answer[j])
+            assert bool(checks["accepted"][query]) == (ar[len(prompt) + j - 1, draft].item() > 0.01)
+            assert bool(checks["confident"][query]) == (probabilities.max().item() > 0.02)
