@@ -263,6 +263,12 @@ DECODING_SETTINGS = (
         "the price of a forward of each width on this machine (`forward_prices`) and the acceptance seen so far.",
         choices=DRAFT_SCHEDULES, rules=("fast",), neutral="fixed",
     ),
+    DecodingSetting(
+        "draft_prior", 0.5, float, "`draft_schedule=\"price\"`: the share of drafts expected to pass before a "
+        "prompt's first checks (worth two checked drafts; the acceptance seen outweighs it as checks come in). A "
+        "model whose drafts rarely pass should say so here, or every prompt starts with wide forwards.",
+        low=0, high=1, rules=("fast",), neutral=0.5,
+    ),
 )  # fmt: skip
 SETTING = {setting.name: setting for setting in DECODING_SETTINGS}
 DECODING_FIELDS = tuple(SETTING)
@@ -810,11 +816,12 @@ class Infilling:
 class AcceptanceProfile:
     """Draft checks of one row by source (`PLAN`, `REDRAFT`) and slot offset, counted on the device: recording a
     check adds tensors and never waits for the host. `known` is the host's copy of the totals (offered and accepted
-    per source) as of the decoder's last read, which `rate` uses."""
+    per source) as of the decoder's last read, which `rate` uses; `prior` is the rate assumed before any check."""
 
     PLAN, REDRAFT = range(2)
 
-    def __init__(self, slot_size: int, device):
+    def __init__(self, slot_size: int, device, prior: float = 0.5):
+        self.prior = prior
         self.offsets = torch.arange(slot_size, device=device)
         self.offered = torch.zeros(2, slot_size, dtype=torch.long, device=device)
         self.accepted = torch.zeros_like(self.offered)
@@ -838,10 +845,10 @@ class AcceptanceProfile:
         return torch.stack([self.offered.sum(dim=1), self.accepted.sum(dim=1)], dim=1).flatten()
 
     def rate(self, source: int) -> float:
-        """The share of `source`'s offered drafts that passed, as the host last read them, with one pass and one
-        failure counted in advance (so 0.5 before any check)."""
+        """The share of `source`'s offered drafts that passed, as the host last read them, with two drafts counted in
+        advance that passed at the `prior` rate (so `prior` before any check)."""
         offered, accepted = self.known[2 * source : 2 * source + 2]
-        return (accepted + 1) / (offered + 2)
+        return (accepted + 2 * self.prior) / (offered + 2)
 
     @staticmethod
     def output_fields(profiles: list["AcceptanceProfile"]) -> dict:
@@ -931,7 +938,7 @@ class SlotDecoder:
         self.forwards = self.committed_slots = 0
         self.step_ratios: list[float] = []  # per plan step: slot_size x committed slots / forwards (authors' TPF)
         self.step_start = (0, 0)  # forwards and committed slots when the current plan step began
-        self.profile = AcceptanceProfile(size, self.device)
+        self.profile = AcceptanceProfile(size, self.device, settings.draft_prior)
         prompt_positions = torch.arange(prompt.shape[0], device=self.device)
         self.record.append(Queries.causal(prompt, prompt_positions, 0, self._new_group()))
         self.block = 0  # first slot of the block being decoded

@@ -39,6 +39,7 @@ WHOLE_SLOTS = setting(
     fused_redraft=False,
     draft_window=None,
     draft_schedule="fixed",
+    draft_prior=0.5,
 )
 
 

@@ -98,6 +98,25 @@ def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks_the_host_
     assert profile.rate(AcceptanceProfile.REDRAFT) == 0.5
 
 
+def test_the_prior_is_the_rate_before_any_check_and_weighs_as_two_drafts():
+    profile = AcceptanceProfile(4, "cpu", prior=0.1)
+    assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx(0.1)
+    profile.add(AcceptanceProfile.PLAN, torch.tensor([[False, True, True, True]]), torch.tensor([3]))
+    profile.known = profile.totals().tolist()
+    assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx((2 + 0.2) / (3 + 2))
+    assert profile.rate(AcceptanceProfile.REDRAFT) == pytest.approx(0.1)
+
+
+def test_the_prior_is_a_fast_rule_setting_between_zero_and_one():
+    assert check_decoding({})["draft_prior"] == 0.5
+    assert check_decoding({"draft_prior": 0})["draft_prior"] == 0
+    assert check_decoding({}, {"infill_mode": "reference", "draft_prior": 0.1})["draft_prior"] == 0.5
+    with pytest.raises(ValueError, match=r"draft_prior must be a number in \[0, 1\], got 1.5"):
+        check_decoding({"draft_prior": 1.5})
+    with pytest.raises(ValueError, match="draft_prior=0.1 and infill_mode='reference' were both passed"):
+        check_decoding({"draft_prior": 0.1, "infill_mode": "reference"})
+
+
 @pytest.mark.parametrize(
     ("prices", "message"),
     [
@@ -270,3 +289,25 @@ def test_the_benchmark_models_a_decode_by_pricing_each_forward_by_its_width():
     assert result["forwards"] == len(widths) > 1 and result["tokens"] > 0
     assert result["seconds"] == sum(widths[1:])  # the prompt's forward left out
     assert result["ar_seconds"] == result["tokens"]  # one one-query forward per AR token
+
+
+@pytest.mark.parametrize("fused_redraft", [False, True])
+def test_a_pessimistic_prior_starts_narrow_where_width_is_free_and_stays_exact(fused_redraft):
+    """Free width and the default prior: the first plan drafts whole slots. A prior of 0: no draft is expected to
+    pass, so it drafts each slot's first token only, until checks say otherwise; cached, static, recomputed, batched
+    and alone give the same tokens."""
+    model = sharpened_model("llama", scale=4.0)
+    slots_per_block, size = SETTINGS["block_length"] // SETTINGS["slot_size"], SETTINGS["slot_size"]
+    settings = dict(SETTINGS, draft_schedule="price", forward_prices=FLAT, fused_redraft=fused_redraft)
+    optimistic = forward_queries(model, lambda: model.generate(PROMPT, **settings))
+    pessimistic = forward_queries(model, lambda: model.generate(PROMPT, draft_prior=0.0, **settings))
+    assert optimistic[0] == slots_per_block * size and pessimistic[0] == slots_per_block
+    settings["draft_prior"] = 0.0
+    ids, mask = left_padded(PROMPTS)
+    dynamic = model.generate(ids, attention_mask=mask, **settings)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert torch.equal(dynamic.sequences, static.sequences) and torch.equal(dynamic.sequences, recomputed.sequences)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
+        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
