@@ -288,8 +288,8 @@ def main() -> None:
         nargs="*",
         default=["bfloat16"],
         help="AR is also timed with transformers' compiled static-cache generate() in these dtypes (each compiles "
-        "once: minutes on a 2-core CPU, less with inductor's disk cache warm; none: skip); default bfloat16, the "
-        "fastest AR measured on the project's AVX2 CPU and native on GPUs",
+        "once: minutes on a 2-core CPU, less with inductor's disk cache warm; `none` or no dtype: skip); default "
+        "bfloat16, the fastest AR measured on the project's AVX2 CPU and native on GPUs",
     )
     parser.add_argument(
         "--ar_compile_mode", default=None, help="torch.compile mode of --ar_compiled (default: by device)"
@@ -320,7 +320,8 @@ def main() -> None:
         if other != dtype
     }
     compiled_models = {
-        other: copy.deepcopy(base).to(args.device, other) for other in map(decoding_dtype, args.ar_compiled)
+        other: copy.deepcopy(base).to(args.device, other)
+        for other in map(decoding_dtype, [name for name in args.ar_compiled if name != "none"])
     }
     mode = args.ar_compile_mode or compile_mode(args.device)
     base, model = base.to(args.device, dtype), model.to(args.device, dtype)
