@@ -269,6 +269,12 @@ DECODING_SETTINGS = (
         "model whose drafts rarely pass should say so here, or every prompt starts with wide forwards.",
         low=0, high=1, rules=("fast",), neutral=0.5,
     ),
+    DecodingSetting(
+        "lookup_drafts", 0, int, "Infill rounds check up to this many drafts per slot copied from earlier text (the "
+        "tokens that followed the last earlier occurrence, in the prompt or the answer, of the one or two tokens "
+        "before the slot's next position) in place of `[MASK]` drafts; 0: off. Under `draft_schedule=\"price\"` "
+        "the number per forward is priced as other drafts are.", low=0, rules=("fast",), neutral=0,
+    ),
 )  # fmt: skip
 SETTING = {setting.name: setting for setting in DECODING_SETTINGS}
 DECODING_FIELDS = tuple(SETTING)
@@ -634,6 +640,32 @@ def accept_reference(counts: torch.Tensor, ar_probability: torch.Tensor, thresho
     return accepted_lengths((offsets <= counts[:, None]) | passes(ar_probability, threshold))
 
 
+def lookup_drafts(
+    text: torch.Tensor, starts: torch.Tensor, count: int, unknown: int, ngram: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts copied from earlier text, as prompt lookup decoding makes them: for each position `starts[i]` of the
+    1-D `text` (tokens; `unknown` where not yet decoded), the `count` tokens that followed the last occurrence before
+    it of the `ngram` (else fewer, down to one) tokens just before it. Returns the drafts `[len(starts), count]` and
+    how many of each row's are found: the leading ones that follow a match and are known."""
+    length = text.shape[0]
+    follows = torch.full_like(starts, -1)  # where the copied tokens begin; -1 where nothing matched
+    for size in range(1, ngram + 1):  # a longer match overrides a shorter one
+        if length <= size:
+            break
+        steps = torch.arange(size, device=text.device)
+        suffix = text[(starts[:, None] - size + steps).clamp(min=0)]
+        windows = text.unfold(0, size, 1)[: length - size]  # each window with a token after it
+        begins = torch.arange(length - size, device=text.device)
+        hit = (windows[None] == suffix[:, None]).all(dim=-1) & (begins[None] + size < starts[:, None])
+        hit &= ((suffix != unknown).all(dim=-1) & (starts >= size))[:, None]
+        last = torch.where(hit, begins, -1).amax(dim=-1)
+        follows = torch.where(last >= 0, last + size, follows)
+    at = follows[:, None] + torch.arange(count, device=text.device)
+    drafts = text[at.clamp(0, length - 1)]
+    known = (follows[:, None] >= 0) & (at < length) & (drafts != unknown)
+    return drafts, accepted_lengths(known)
+
+
 def expected_tokens(rate: float, drafts: int) -> float:
     """Tokens a slot gains from a check of its first open position and `drafts` drafts after it, when each passes
     with probability `rate` given the ones before it: the first always yields one (its draft or the model's own
@@ -801,6 +833,7 @@ class Infilling:
     stored: list[int]
     groups: list[int]
     prefix: int
+    found: list[int] | None = None  # `lookup_drafts`: the drafts copied from earlier text after each count
 
     def select(self, rows: list[int]) -> "Infilling":
         return Infilling(
@@ -810,6 +843,7 @@ class Infilling:
             [self.stored[row] for row in rows],
             [self.groups[row] for row in rows],
             self.prefix,
+            None if self.found is None else [self.found[row] for row in rows],
         )
 
 
@@ -1088,6 +1122,9 @@ class SlotDecoder:
                 torch.full_like(counts, until),
             )  # fmt: skip
             values += [counts, eos_offsets(read["tokens"], counts, self.eos)]
+            if self.settings.lookup_drafts:
+                read["tokens"], found = self._look_up(index, read["tokens"], counts)
+                values.append(found)
         return torch.cat(values)
 
     def _verified(self, phase: Phase, values: list[int]) -> Phase:
@@ -1103,9 +1140,10 @@ class SlotDecoder:
                 return self._step_done()
             state = Infilling(chosen, read["tokens"], accepted, [0] * slots, groups, len(self.record))
             return self._infilling(state, eos)
-        counts, eos = values[2 * slots + leading : 3 * slots], values[3 * slots + leading :]
+        counts, eos = values[2 * slots + leading : 3 * slots], values[3 * slots + leading : 4 * slots]
+        found = values[4 * slots + leading :] if self.settings.lookup_drafts else None
         state = Infilling(chosen[leading:], read["tokens"][leading:], counts, [0] * len(counts), groups,
-                          len(self.record))  # fmt: skip
+                          len(self.record), found)  # fmt: skip
         return self._infilling(self._settle(state, eos))
 
     # ---- infill, fast rule ------------------------------------------------------------------------------------
@@ -1114,12 +1152,13 @@ class SlotDecoder:
         in the sequence (in their slot's group); the drafts are checked, the model's own token replaces the first
         rejected one, and the rest are redrafted from the same forward."""
         state = phase.state
-        window = self._infill_window(state)
-        layout = self._infill_layout(state, window)
+        windows = self._infill_windows(state)
+        layout = self._infill_layout(state, windows)
         groups = upload(state.groups, self.device)
         index = layout["index"]
         parts = [self._grouped(state, index, layout["fresh"], state.tokens, groups)]
-        if self.settings.fused_redraft and window > 0:  # with no drafts there is nothing to redraft
+        if self.settings.fused_redraft and not self.settings.lookup_drafts and max(windows) > 0:
+            # (with no drafts there is nothing to redraft; copied drafts are found again after each round)
             masks = torch.full_like(state.tokens, self.settings.mask_token_id)
             mask_groups = upload(self._new_groups(len(state.slots)), self.device)
             parts.append(self._grouped(state, index, layout["checked"], masks, mask_groups, parents=groups))
@@ -1150,13 +1189,19 @@ class SlotDecoder:
         read["tokens"], counts = accept_and_correct(
             state.tokens, counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
         )
-        return torch.cat([counts, eos_offsets(read["tokens"], counts, self.eos)])
+        values = [counts, eos_offsets(read["tokens"], counts, self.eos)]
+        if self.settings.lookup_drafts:
+            read["tokens"], found = self._look_up(index, read["tokens"], counts)
+            values.append(found)
+        return torch.cat(values)
 
     def _infilled(self, phase: Phase, values: list[int]) -> Phase:
         state, slots = phase.state, len(phase.state.slots)
         self.record.keep(phase.read["parts"][0])
         state.stored, state.tokens, state.counts = state.counts, phase.read["tokens"], values[:slots]
-        return self._infilling(self._settle(state, values[slots:]))
+        if self.settings.lookup_drafts:
+            state.found = values[2 * slots :]
+        return self._infilling(self._settle(state, values[slots : 2 * slots]))
 
     # ---- infill, the authors' rule ------------------------------------------------------------------------------
     # A round of two forwards over the slots not yet complete: the unaccepted positions are redrafted by `[MASK]`
@@ -1363,13 +1408,22 @@ class SlotDecoder:
         rate = self.profile.rate(AcceptanceProfile.PLAN)
         return 1 + best_window(self.prices, rate, [slots * (drafts + 1) for drafts in range(cap)], free=1.0)
 
-    def _infill_window(self, state: Infilling) -> int:
+    def _infill_windows(self, state: Infilling) -> list[int]:
         """Drafts of each slot queried in the next infill round: `draft_window` (whole slots when None), or under
-        `draft_schedule="price"` the number up to it that earns most per price."""
-        if self.prices is None:
-            return self.settings.draft_window or self.settings.slot_size
+        `draft_schedule="price"` the number up to it that earns most per price. With `lookup_drafts`, the drafts
+        copied from earlier text only: up to `lookup_drafts` (or the priced number up to it) of those found."""
+        slots, settings = len(state.slots), self.settings
         fresh = sum(count - stored for count, stored in zip(state.counts, state.stored))
-        return self._priced_window(len(state.slots), fresh)
+        if settings.lookup_drafts:
+            window = settings.lookup_drafts
+            if self.prices is not None:
+                drafting = sum(1 for found in state.found if found)
+                widths = [fresh + drafting * drafts for drafts in range(window + 1)]
+                window = best_window(self.prices, self.profile.rate(AcceptanceProfile.REDRAFT), widths)
+            return [min(window, found) for found in state.found]
+        if self.prices is None:
+            return [settings.draft_window or settings.slot_size] * slots
+        return [self._priced_window(slots, fresh)] * slots
 
     def _priced_window(self, slots: int, fresh: int) -> int:
         """The drafts per slot that earn most per price in an infill round of `slots` slots bringing `fresh` tokens;
@@ -1381,16 +1435,18 @@ class SlotDecoder:
 
     def _drafts_pay(self, slots: int) -> bool:
         """Whether `slots` chosen slots would take drafts into their verify forward or their first infill round."""
+        if self.settings.lookup_drafts:  # the infill rounds' drafts are copied, not the plan's
+            return self._verify_width(slots) > 1
         return self._verify_width(slots) > 1 or self._priced_window(slots, slots) > 0
 
-    def _infill_layout(self, state: Infilling, window: int) -> dict:
+    def _infill_layout(self, state: Infilling, windows: list[int]) -> dict:
         """Where the tokens of an infill round go, as flat positions in `[slots, slot_size]`: `fresh` accepted tokens
         not yet stored, drafts `queried` in the forward, and the positions `checked` by it (below `until`): the first
-        draft by the last fresh token, each later one by the draft before it. At most `window` drafts are queried;
-        the last position of a slot scores nothing in it, so its draft is never queried. The sizes come from the
-        host's counts, so finding the positions does not wait for the device."""
+        draft by the last fresh token, each later one by the draft before it. At most `windows[i]` drafts of slot i
+        are queried; the last position of a slot scores nothing in it, so its draft is never queried. The sizes come
+        from the host's counts, so finding the positions does not wait for the device."""
         size = self.settings.slot_size
-        until = [min(count + window + 1, size) for count in state.counts]  # > count: an infilling slot is open
+        until = [min(count + window + 1, size) for count, window in zip(state.counts, windows)]  # > count: open
         counts, stored, ends = upload([state.counts, state.stored, until], self.device)
         fresh = (self.offsets >= stored[:, None]) & (self.offsets < counts[:, None])
         checked = (self.offsets >= counts[:, None]) & (self.offsets < ends[:, None])
@@ -1405,6 +1461,20 @@ class SlotDecoder:
             counts=counts,
             until=ends,
         )
+
+    def _look_up(self, index, tokens, counts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write into the slots' `tokens` (answer indices `index`), after each one's `counts` accepted tokens, the
+        drafts copied from earlier text (`lookup_drafts`): the prompt, the answer and the slots' accepted tokens.
+        Returns the tokens and how many drafts each slot holds now."""
+        answer = self.answer.clone()
+        answer[index.flatten()] = torch.where(self.offsets < counts[:, None], tokens, answer[index]).flatten()
+        text, count = torch.cat([self.prompt, answer]), self.settings.lookup_drafts
+        starts = self.prompt.shape[0] + index[:, 0] + counts
+        drafts, found = lookup_drafts(text, starts, count, self.settings.mask_token_id)
+        found = torch.minimum(found, self.settings.slot_size - counts)
+        ahead = self.offsets - counts[:, None]
+        copied = (ahead >= 0) & (ahead < found[:, None])
+        return torch.where(copied, drafts.gather(1, ahead.clamp(0, count - 1)), tokens), found
 
     def _grouped(self, state, index, at, tokens, groups, parents=None) -> Queries:
         """The tokens at flat positions `at` of the infilling slots' `tokens` (`[slots, slot_size]`, answer indices

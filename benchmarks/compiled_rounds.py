@@ -1,7 +1,8 @@
 """ReFusion against the base model's AR, timed prompt by prompt, back to back (prints a table).
 
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
-        [--refusion compiled eager] [--draft_schedules fixed price] [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze]
+        [--refusion compiled eager] [--draft_schedules fixed price] [--lookup_drafts 0 4] [--dtype DTYPE]
+        [--ar_dtype bfloat16] [--freeze]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
 turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and
@@ -10,7 +11,8 @@ by default: the fastest AR measured on every machine here) and eager `generate()
 out with `--no_eager`). ReFusion decodes in `--dtype` (default: the decoding policy's), once for each of `--refusion`
 (`compiled`: compiled forwards over its static cache; `eager`: eager forwards with the policy's kernels) and
 `--draft_schedules` (`fixed`: the shipped draft window; `price`: drafts chosen by the forward prices the decoder
-measures on this machine). Which decoder goes first rotates from prompt to prompt (`recipe.decoding.paired_runs`);
+measures on this machine) and `--lookup_drafts` (drafts copied from earlier text per slot and forward; default:
+the shipped setting's). Which decoder goes first rotates from prompt to prompt (`recipe.decoding.paired_runs`);
 `--rounds` passes over the prompts. The table gives each pass's tokens/s, then each ReFusion decoder's speed-up over
 all runs against each AR, the fastest AR named first: the ratio, the median and quartiles of the per-prompt ratios,
 ReFusion's tokens per forward, and the speed-up as a share of it (what the speed-up would be if a ReFusion forward
@@ -29,6 +31,7 @@ speed-up against it is tokens per forward over the price of ReFusion's forwards 
 
 import argparse
 import copy
+import itertools
 import time
 from functools import partial
 
@@ -66,6 +69,8 @@ def main() -> None:
                         help="ReFusion's forwards: compiled over its static cache, and/or eager")  # fmt: skip
     parser.add_argument("--draft_schedules", nargs="+", default=["fixed"], choices=["fixed", "price"],
                         help="ReFusion's draft schedules (each decoded with each of --refusion)")  # fmt: skip
+    parser.add_argument("--lookup_drafts", nargs="+", type=int, default=[None],
+                        help="ReFusion's lookup_drafts values (each decoded with each schedule); default: shipped")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
     parser.add_argument("--ar_dtype", default="bfloat16", help="the compiled AR's dtype")
     parser.add_argument("--freeze", action="store_true", help="freeze ReFusion's weights into its compiled graphs")
@@ -87,9 +92,12 @@ def main() -> None:
             compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"],
                                                draft_schedule=schedule)  # fmt: skip
             print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
-        for schedule in args.draft_schedules:
+        for schedule, lookup in itertools.product(args.draft_schedules, args.lookup_drafts):
             name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"
             settings = dict(options, draft_schedule=schedule)
+            if lookup is not None:
+                settings["lookup_drafts"] = lookup
+                name += f" lookup {lookup}" if len(args.lookup_drafts) > 1 else ""
             decode(model, refusion_tokenizer, prompts[:1], 8, **settings)  # warm-up; priced: measures the prices
             refusions[name] = partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **settings)
     ar_settings = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)

@@ -55,6 +55,7 @@ from recipe.report import cell, write_results
 GRID = {  # name -> a whole decoding setting: the whole-slot fast rule changed as the name says, and what ships
     "shipped default": shipped(),  # the recipe config's `decoding` section (recipe/smollm2.yaml), as it is now
     "shipped, priced drafts": setting(shipped(), draft_schedule="price"),  # drafts per forward chosen by price
+    "shipped, priced, copied drafts": setting(shipped(), draft_schedule="price", lookup_drafts=4),  # from the text
     "whole slots": WHOLE_SLOTS,
     "reference": setting(WHOLE_SLOTS, infill_mode="reference"),
     "fused redraft": setting(WHOLE_SLOTS, fused_redraft=True),

@@ -40,6 +40,7 @@ WHOLE_SLOTS = setting(
     draft_window=None,
     draft_schedule="fixed",
     draft_prior=0.5,
+    lookup_drafts=0,
 )
 
 

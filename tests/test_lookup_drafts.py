@@ -1,0 +1,113 @@
+"""Drafts copied from earlier text (`lookup_drafts`): where the answer repeats itself or the prompt, the tokens that
+followed an earlier occurrence of the last tokens are drafted and checked as any draft is. Only the forwards change
+where a passing draft must be the model's own token; the cache paths, batching and the price schedule stay exact."""
+
+import pytest
+import torch
+from test_batching import PROMPTS, left_padded
+from test_generation import PROMPT, sharpened_model
+from test_price_schedule import FLAT, STEEP, forward_queries
+
+from generation_refusion import check_decoding, lookup_drafts
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+CYCLE = list(range(50, 57))  # the tokens the cycling model's answers go round
+SETTINGS = dict(
+    max_new_tokens=40, slot_size=8, block_length=16, slot_threshold=0.5, token_threshold=0.5, eos_token_id=[],
+    pad_token_id=0, return_dict_in_generate=True,
+)  # fmt: skip
+
+
+def cycling_model(architecture: str) -> torch.nn.Module:
+    """A tiny converted model whose next token depends on the current token only (attention and MLP outputs are
+    zero) and is, with probability ~1, the next token of `CYCLE`: its answers go round `CYCLE`, so they repeat every
+    seven tokens, while its `[MASK]` queries draft one fixed token."""
+    model = sharpened_model(architecture, scale=1.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        embeddings = model.get_input_embeddings().weight
+        head = torch.zeros_like(model.get_output_embeddings().weight)
+        for before, token in zip(CYCLE, CYCLE[1:] + CYCLE[:1]):
+            head[token] = 30 * embeddings[before] / embeddings[before].norm()
+        model.get_output_embeddings().weight = torch.nn.Parameter(head)
+    return model
+
+
+# ---- the pure function ---------------------------------------------------------------------------------------------
+def test_copies_follow_the_last_occurrence_of_the_longest_match():
+    unknown = 0
+    #                   0  1  2  3  4  5  6  7  8  9 10 11
+    text = torch.tensor([7, 8, 1, 2, 9, 8, 3, 4, 5, 8, 0, 0])
+    drafts, found = lookup_drafts(text, torch.tensor([10]), 3, unknown)
+    assert drafts.tolist() == [[3, 4, 5]] and found.tolist() == [3]  # `8` last occurred at 5: copy from 6
+    text = torch.tensor([7, 8, 1, 2, 9, 8, 3, 4, 7, 8, 0, 0])
+    drafts, found = lookup_drafts(text, torch.tensor([10]), 3, unknown)
+    assert drafts.tolist() == [[1, 2, 9]] and found.tolist() == [3]  # `7 8` at 0 beats the later `8` at 5
+    drafts, found = lookup_drafts(text, torch.tensor([10]), 3, unknown, ngram=1)
+    assert drafts.tolist() == [[3, 4, 7]]
+
+
+def test_unknown_tokens_end_a_copy_and_nothing_is_found_without_a_match():
+    unknown = 0
+    text = torch.tensor([4, 5, 0, 6, 4, 0, 0])  # 5 follows 4 at 0, then an undecoded token
+    drafts, found = lookup_drafts(text, torch.tensor([5, 1, 0]), 3, unknown)
+    assert found.tolist() == [1, 0, 0]  # row 2: `4` (at 0) has no earlier occurrence; row 3: nothing before it
+    assert drafts[0, 0] == 5
+    text = torch.tensor([4, 0, 4, 9, 0])  # the match's own suffix contains an undecoded token: no copy
+    assert lookup_drafts(text, torch.tensor([2]), 2, unknown)[1].tolist() == [0]
+
+
+# ---- decoding ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_where_the_answer_repeats_copies_give_the_same_tokens_in_fewer_forwards(architecture):
+    """Only the model's own token passes a threshold of 0.5: copied drafts change how many forwards it takes, not
+    the answer."""
+    model = cycling_model(architecture)
+    plain = model.generate(PROMPT, **SETTINGS)
+    copied = model.generate(PROMPT, lookup_drafts=4, **SETTINGS)
+    answer = copied.sequences[0, PROMPT.shape[1] :].tolist()
+    assert set(answer) <= set(CYCLE)
+    assert torch.equal(plain.sequences, copied.sequences)
+    assert copied.num_forward_passes < plain.num_forward_passes
+    assert copied.draft_accepted.sum() > plain.draft_accepted.sum()
+
+
+def test_the_price_schedule_takes_every_copy_where_width_is_free_and_none_where_it_is_dear():
+    model = cycling_model("llama")
+    fixed = model.generate(PROMPT, lookup_drafts=4, **SETTINGS)
+    free = model.generate(PROMPT, lookup_drafts=4, draft_schedule="price", forward_prices=FLAT, **SETTINGS)
+    assert torch.equal(free.sequences, fixed.sequences) and free.num_forward_passes == fixed.num_forward_passes
+    dear = dict(SETTINGS, draft_schedule="price", forward_prices=STEEP)
+    with_copies = forward_queries(model, lambda: model.generate(PROMPT, lookup_drafts=4, **dear))
+    without = forward_queries(model, lambda: model.generate(PROMPT, **dear))
+    assert with_copies == without
+
+
+@pytest.mark.parametrize("prices", [None, FLAT, STEEP], ids=["fixed", "free", "dear"])
+@pytest.mark.parametrize("make", [cycling_model, lambda name: sharpened_model(name, scale=4.0)], ids=["cycle", "any"])
+def test_copied_drafts_are_exact_static_recomputed_batched_and_alone(make, prices):
+    model = make("qwen3")
+    settings = dict(SETTINGS, token_threshold=0.3, lookup_drafts=3)
+    if prices is not None:
+        settings.update(draft_schedule="price", forward_prices=prices, draft_prior=0.1)
+    ids, mask = left_padded(PROMPTS)
+    dynamic = model.generate(ids, attention_mask=mask, **settings)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert torch.equal(dynamic.sequences, recomputed.sequences)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
+        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+
+
+def test_lookup_drafts_is_a_fast_rule_count():
+    assert check_decoding({})["lookup_drafts"] == 0
+    assert check_decoding({}, {"infill_mode": "reference", "lookup_drafts": 4})["lookup_drafts"] == 0
+    with pytest.raises(ValueError, match="lookup_drafts must be an integer >= 0, got -1"):
+        check_decoding({"lookup_drafts": -1})
+    with pytest.raises(ValueError, match="lookup_drafts=4 and infill_mode='reference' were both passed"):
+        check_decoding({"lookup_drafts": 4, "infill_mode": "reference"})
