@@ -270,10 +270,11 @@ DECODING_SETTINGS = (
         low=0, high=1, rules=("fast",), neutral=0.5,
     ),
     DecodingSetting(
-        "lookup_drafts", 0, int, "Infill rounds check up to this many drafts per slot copied from earlier text (the "
+        "lookup_drafts", 0, int, "Check up to this many drafts per slot and forward copied from earlier text (the "
         "tokens that followed the last earlier occurrence, in the prompt or the answer, of the one or two tokens "
-        "before the slot's next position) in place of `[MASK]` drafts; 0: off. Under `draft_schedule=\"price\"` "
-        "the number per forward is priced as other drafts are.", low=0, rules=("fast",), neutral=0,
+        "before the slot's next position) in place of `[MASK]` drafts, which then draft each slot's first token "
+        "only; 0: off. Under `draft_schedule=\"price\"` the number per forward is priced as other drafts are.",
+        low=0, rules=("fast",), neutral=0,
     ),
 )  # fmt: skip
 SETTING = {setting.name: setting for setting in DECODING_SETTINGS}
@@ -1059,9 +1060,10 @@ class SlotDecoder:
     # ---- plan -------------------------------------------------------------------------------------------------
     def _plan_queries(self, phase: Phase) -> Queries:
         """Draft every token of the masked slots in one forward; only their first tokens (which choose the slots)
-        where the price schedule finds that drafts do not pay: the slots are then completed token by token."""
+        where the price schedule finds that drafts do not pay (the slots are then completed token by token) or where
+        the drafts after them are copied from the text (`lookup_drafts`)."""
         index = self._slot_index(phase.slots)
-        if self.prices is not None and not self._drafts_pay(len(phase.slots)):
+        if self.settings.lookup_drafts or self.prices is not None and not self._drafts_pay(len(phase.slots)):
             index = index[:, :1]
         index = index.flatten()
         phase.read["index"] = index
@@ -1074,15 +1076,21 @@ class SlotDecoder:
         tokens, probabilities = self._pick(logits, torch.arange(logits.shape[0], device=self.device), index)
         self.drafts[index] = tokens
         chosen = choose_slots(probabilities.view(len(phase.slots), -1)[:, 0], self.settings.slot_threshold)
-        if self.settings.slot_size > 1:
+        if self.settings.slot_size == 1:
+            return torch.cat([chosen.long(), torch.isin(tokens, self.eos).long()])
+        if not self.settings.lookup_drafts:
             return chosen.long()
-        return torch.cat([chosen.long(), torch.isin(tokens, self.eos).long()])
+        # the drafts after each slot's first one, copied from the text
+        slots = self._slot_index(phase.slots)
+        self.drafts[slots], found = self._look_up(slots, self.drafts[slots], torch.ones_like(slots[:, 0]))
+        return torch.cat([chosen.long(), found])
 
     def _planned(self, phase: Phase, values: list[int]) -> Phase:
         slots = len(phase.slots)
         chosen = [slot for slot, keep in zip(phase.slots, values[:slots]) if keep]
         if self.settings.slot_size > 1:
-            return Phase(self.VERIFY, slots=chosen)
+            found = [count for count, keep in zip(values[slots:], values[:slots]) if keep]
+            return Phase(self.VERIFY, slots=chosen, read=dict(found=found) if found else {})
         # one-token slots: nothing to check, a slot's only token always passes; the run ends at the first EOS
         eos = [0 if is_eos else 1 for is_eos, keep in zip(values[slots:], values[:slots]) if keep]
         leading = leading_complete([1] * len(chosen), eos, 1)
@@ -1095,7 +1103,7 @@ class SlotDecoder:
         """The chosen drafts as one causal run: each slot's leading `_verify_width` tokens."""
         index = self._slot_index(phase.slots)
         tokens = self.drafts[index]
-        width = self._verify_width(len(phase.slots))
+        width = self._verify_width(len(phase.slots), phase.read.get("found"))
         phase.read.update(index=index, tokens=tokens, width=width)
         return self._causal(tokens[:, :width].flatten(), index[:, :width].flatten())
 
@@ -1397,12 +1405,16 @@ class SlotDecoder:
         if self.watcher is not None and (stop := self.watcher.advance(self.answer, self.frontier())) is not None:
             self._stop_at(stop)
 
-    def _verify_width(self, slots: int) -> int:
+    def _verify_width(self, slots: int, found: list[int] | None = None) -> int:
         """Leading tokens of each of `slots` chosen slots in the verify forward: `draft_window` (whole slots when
         None), or under `draft_schedule="price"` the number up to it that earns most per price (the first token is
-        free: it always passes; each one in the forward scores the next)."""
-        size = self.settings.slot_size
-        cap = min(self.settings.draft_window or size, size)
+        free: it always passes; each one in the forward scores the next). With `lookup_drafts`, the first token and
+        up to `lookup_drafts` (or the priced number) of the drafts copied after it, as many as every slot has
+        (`found`)."""
+        size, settings = self.settings.slot_size, self.settings
+        cap = min(settings.draft_window or size, size)
+        if settings.lookup_drafts:
+            cap = min(settings.lookup_drafts, size - 1, *(found or [0])) + 1
         if self.prices is None:
             return cap
         rate = self.profile.rate(AcceptanceProfile.PLAN)
@@ -1435,8 +1447,6 @@ class SlotDecoder:
 
     def _drafts_pay(self, slots: int) -> bool:
         """Whether `slots` chosen slots would take drafts into their verify forward or their first infill round."""
-        if self.settings.lookup_drafts:  # the infill rounds' drafts are copied, not the plan's
-            return self._verify_width(slots) > 1
         return self._verify_width(slots) > 1 or self._priced_window(slots, slots) > 0
 
     def _infill_layout(self, state: Infilling, windows: list[int]) -> dict:

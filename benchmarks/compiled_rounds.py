@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--draft_schedules", nargs="+", default=["fixed"], choices=["fixed", "price"],
                         help="ReFusion's draft schedules (each decoded with each of --refusion)")  # fmt: skip
     parser.add_argument("--lookup_drafts", nargs="+", type=int, default=[None],
-                        help="ReFusion's lookup_drafts values (each decoded with each schedule); default: shipped")  # fmt: skip
+                        help="ReFusion's lookup_drafts (each with each schedule); default: shipped")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
     parser.add_argument("--ar_dtype", default="bfloat16", help="the compiled AR's dtype")
     parser.add_argument("--freeze", action="store_true", help="freeze ReFusion's weights into its compiled graphs")

@@ -73,6 +73,15 @@ def test_where_the_answer_repeats_copies_give_the_same_tokens_in_fewer_forwards(
     assert torch.equal(plain.sequences, copied.sequences)
     assert copied.num_forward_passes < plain.num_forward_passes
     assert copied.draft_accepted.sum() > plain.draft_accepted.sum()
+    assert copied.draft_accepted[0].sum() > 0  # copies checked in verify forwards too, after each plan's first token
+
+
+def test_with_copies_a_plan_drafts_each_slots_first_token_only():
+    model = cycling_model("llama")
+    slots_per_block = SETTINGS["block_length"] // SETTINGS["slot_size"]
+    plain = forward_queries(model, lambda: model.generate(PROMPT, **SETTINGS))
+    copied = forward_queries(model, lambda: model.generate(PROMPT, lookup_drafts=4, **SETTINGS))
+    assert plain[0] == SETTINGS["block_length"] and copied[0] == slots_per_block
 
 
 def test_the_price_schedule_takes_every_copy_where_width_is_free_and_none_where_it_is_dear():
