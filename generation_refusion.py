@@ -392,7 +392,8 @@ def resolve_settings(
     for name, neutral in REFUSED_OPTIONS.items():
         value = getattr(config, name, None)
         if value not in neutral:
-            raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}.")
+            hint = " (its own drafts copied from the text are `lookup_drafts`)" if "lookup" in name else ""
+            raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}{hint}.")
     decoding = check_decoding(passed, configured)
     if forward_prices is not None:
         forward_prices = check_forward_prices(forward_prices)

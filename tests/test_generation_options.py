@@ -137,6 +137,11 @@ def test_options_slot_decoding_cannot_apply_are_refused_by_name(model, option):
         model.generate(PROMPT, **{**SETTINGS, **option})
 
 
+def test_prompt_lookup_is_refused_naming_slot_decodings_own_copied_drafts(model):
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=3 \(its own drafts copied from the text are"):
+        model.generate(PROMPT, **SETTINGS, prompt_lookup_num_tokens=3)
+
+
 def test_a_generation_config_without_use_cache_decodes_with_the_cache(model):
     seen = []
     original = model.forward
