@@ -1,32 +1,36 @@
 """ReFusion against the base model's AR, timed prompt by prompt, back to back (prints a table).
 
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
-        [--refusion compiled eager] [--draft_schedules fixed price] [--lookup_drafts 0 4] [--dtype DTYPE]
-        [--ar_dtype bfloat16] [--freeze]
+        [--refusion compiled eager] [--draft_schedules fixed price] [--lookup_drafts 0 4] [--token_thresholds 0.3 0.5]
+        [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze] [--ar_prompt_lookup 4]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
-turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and
-by three AR decoders of the base model: transformers' compiled static-cache `generate()` (in `--ar_dtype`, bfloat16
-by default: the fastest AR measured on every machine here) and eager `generate()` in float32 and in bfloat16 (left
-out with `--no_eager`). ReFusion decodes in `--dtype` (default: the decoding policy's), once for each of `--refusion`
+turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and by
+three AR decoders of the base model: transformers' compiled static-cache `generate()` (in `--ar_dtype`, bfloat16 by
+default: the fastest AR measured on every machine here) and eager `generate()` in float32 and in bfloat16 (left out
+with `--no_eager`). ReFusion decodes in `--dtype` (default: the decoding policy's), once for each of `--refusion`
 (`compiled`: compiled forwards over its static cache; `eager`: eager forwards with the policy's kernels) and
 `--draft_schedules` (`fixed`: the shipped draft window; `price`: drafts chosen by the forward prices the decoder
-measures on this machine) and `--lookup_drafts` (drafts copied from earlier text per slot and forward; default:
-the shipped setting's). Which decoder goes first rotates from prompt to prompt (`recipe.decoding.paired_runs`);
-`--rounds` passes over the prompts. The table gives each pass's tokens/s, then each ReFusion decoder's speed-up over
-all runs against each AR, the fastest AR named first: the ratio, the median and quartiles of the per-prompt ratios,
-ReFusion's tokens per forward, and the speed-up as a share of it (what the speed-up would be if a ReFusion forward
-cost what an AR step costs: 1.0). The compiled decoders compile before the first pass (times printed apart).
-`--freeze` compiles ReFusion with inductor's weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`:
-weights become constants of the graphs, packed for the machine's GEMM kernels; minutes of compiling, and on the
-AMX CPU inductor's disk cache did not keep such graphs, so each process compiled them again). transformers'
-compiled AR stays unfrozen: its static-cache `generate()` fails under freezing (torch 2.13, transformers 5.24: an
-index out of bounds in its cache write).
+measures on this machine), `--lookup_drafts` (drafts copied from earlier text per slot and forward; default: the
+shipped setting's) and `--token_thresholds` (the check a draft passes; default: the shipped setting's). Which decoder
+goes first rotates from prompt to prompt (`recipe.decoding.paired_runs`); `--rounds` passes over the prompts. The
+table gives each pass's tokens/s, then each ReFusion decoder's speed-up over all runs against each AR, the fastest AR
+named first: the ratio, the median and quartiles of the per-prompt ratios, ReFusion's tokens per forward, and the
+speed-up as a share of it (what the speed-up would be if a ReFusion forward cost what an AR step costs: 1.0). The
+compiled decoders compile before the first pass (times printed apart). `--freeze` compiles ReFusion with inductor's
+weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`: weights become constants of the graphs, packed for
+the machine's GEMM kernels; minutes of compiling, and on the AMX CPU inductor's disk cache did not keep such graphs,
+so each process compiled them again). transformers' compiled AR stays unfrozen: its static-cache `generate()` fails
+under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache write).
 
 With compiled ReFusion, a fourth AR decodes beside them: `static AR` (`recipe.decoding.decode_static_ar`), token by
 token over ReFusion's static cache through the same compiled (with `--freeze`, frozen) backbone in ReFusion's dtype,
 so that its step is ReFusion's one-query forward. It is the like-for-like reference of a compiled ReFusion: the
 speed-up against it is tokens per forward over the price of ReFusion's forwards on the same kernels.
+
+`--ar_prompt_lookup N` adds transformers' own prompt lookup decoding as a fifth AR: eager `generate()` in ReFusion's
+dtype with `prompt_lookup_num_tokens=N` (assisted generation, which transformers runs with a dynamic cache only), the
+AR counterpart of ReFusion's `lookup_drafts`.
 """
 
 import argparse
@@ -71,9 +75,13 @@ def main() -> None:
                         help="ReFusion's draft schedules (each decoded with each of --refusion)")  # fmt: skip
     parser.add_argument("--lookup_drafts", nargs="+", type=int, default=[None],
                         help="ReFusion's lookup_drafts (each with each schedule); default: shipped")  # fmt: skip
+    parser.add_argument("--token_thresholds", nargs="+", type=float, default=[None],
+                        help="ReFusion's token_threshold (each with each of the above); default: shipped")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
     parser.add_argument("--ar_dtype", default="bfloat16", help="the compiled AR's dtype")
     parser.add_argument("--freeze", action="store_true", help="freeze ReFusion's weights into its compiled graphs")
+    parser.add_argument("--ar_prompt_lookup", type=int, default=0, metavar="N",
+                        help="also time eager AR with transformers' prompt_lookup_num_tokens=N")  # fmt: skip
     args = parser.parse_args()
     dtype, mode = decoding_dtype(args.dtype, args.device), args.mode or compile_mode(args.device)
     ar_dtype = decoding_dtype(args.ar_dtype, args.device)
@@ -92,12 +100,17 @@ def main() -> None:
             compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"],
                                                draft_schedule=schedule)  # fmt: skip
             print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
-        for schedule, lookup in itertools.product(args.draft_schedules, args.lookup_drafts):
+        for schedule, lookup, threshold in itertools.product(
+            args.draft_schedules, args.lookup_drafts, args.token_thresholds
+        ):
             name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"
             settings = dict(options, draft_schedule=schedule)
             if lookup is not None:
                 settings["lookup_drafts"] = lookup
                 name += f" lookup {lookup}" if len(args.lookup_drafts) > 1 else ""
+            if threshold is not None:
+                settings["token_threshold"] = threshold
+                name += f" thr {threshold:g}" if len(args.token_thresholds) > 1 else ""
             decode(model, refusion_tokenizer, prompts[:1], 8, **settings)  # warm-up; priced: measures the prices
             refusions[name] = partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **settings)
     ar_settings = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)
@@ -122,6 +135,12 @@ def main() -> None:
             eager_ar = copy.deepcopy(base).to(args.device, eager_dtype)
             name = f"eager AR {str(eager_dtype).removeprefix('torch.')}"
             decoders[name] = partial(decode, eager_ar, tokenizer, **eager)
+    if args.ar_prompt_lookup:
+        lookup_ar = copy.deepcopy(base).to(args.device, dtype)
+        name = f"eager AR {str(dtype).removeprefix('torch.')} prompt lookup {args.ar_prompt_lookup}"
+        decoders[name] = partial(decode, lookup_ar, tokenizer, max_new_tokens=args.max_new_tokens,
+                                 autoregressive=True, time_forwards=False,
+                                 prompt_lookup_num_tokens=args.ar_prompt_lookup)  # fmt: skip
     ars = [name for name in decoders if name not in refusions]
     graphs, passes = compiled_graphs(), []
     for round_index in range(args.rounds):

@@ -56,6 +56,9 @@ GRID = {  # name -> a whole decoding setting: the whole-slot fast rule changed a
     "shipped default": shipped(),  # the recipe config's `decoding` section (recipe/smollm2.yaml), as it is now
     "shipped, priced drafts": setting(shipped(), draft_schedule="price"),  # drafts per forward chosen by price
     "shipped, priced, copied drafts": setting(shipped(), draft_schedule="price", lookup_drafts=4),  # from the text
+    "shipped, priced, copied drafts, token thr 0.5": setting(  # only a draft the model ranks first passes its check
+        shipped(), draft_schedule="price", lookup_drafts=4, token_threshold=0.5
+    ),
     "whole slots": WHOLE_SLOTS,
     "reference": setting(WHOLE_SLOTS, infill_mode="reference"),
     "fused redraft": setting(WHOLE_SLOTS, fused_redraft=True),
