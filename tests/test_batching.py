@@ -14,6 +14,20 @@ def left_padded(prompts, pad=0):
     return ids, mask
 
 
+def assert_exact_everywhere(model, settings, prompts=PROMPTS):
+    """Decoding `prompts` as a left-padded batch gives the same tokens over the dynamic cache, the static cache and
+    recomputed from scratch, and each row's answer is its prompt's decoded alone."""
+    ids, mask = left_padded(prompts)
+    dynamic = model.generate(ids, attention_mask=mask, **settings)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert torch.equal(dynamic.sequences, recomputed.sequences)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
+        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+
+
 @pytest.fixture(scope="module")
 def model():
     return sharpened_model("llama", scale=4.0)

@@ -4,7 +4,7 @@ where a passing draft must be the model's own token; the cache paths, batching a
 
 import pytest
 import torch
-from test_batching import PROMPTS, left_padded
+from test_batching import assert_exact_everywhere
 from test_generation import PROMPT, sharpened_model
 from test_price_schedule import FLAT, STEEP, forward_queries
 
@@ -102,15 +102,7 @@ def test_copied_drafts_are_exact_static_recomputed_batched_and_alone(make, price
     settings = dict(SETTINGS, token_threshold=0.3, lookup_drafts=3)
     if prices is not None:
         settings.update(draft_schedule="price", forward_prices=prices, draft_prior=0.1)
-    ids, mask = left_padded(PROMPTS)
-    dynamic = model.generate(ids, attention_mask=mask, **settings)
-    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
-    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
-    assert torch.equal(dynamic.sequences, static.sequences)
-    assert torch.equal(dynamic.sequences, recomputed.sequences)
-    for row, prompt in enumerate(PROMPTS):
-        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
-        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    assert_exact_everywhere(model, settings)
 
 
 def test_lookup_drafts_is_a_fast_rule_count():

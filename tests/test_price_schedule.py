@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_batching import PROMPTS, left_padded
+from test_batching import PROMPTS, assert_exact_everywhere, left_padded
 from test_generation import PROMPT, sharpened_model
 
 import generation_refusion
@@ -152,15 +152,7 @@ def test_the_schedule_is_a_fast_rule_setting_with_two_values():
 @pytest.mark.parametrize("prices", [LINEAR, STEEP], ids=["linear", "steep"])
 def test_priced_decoding_is_exact_static_recomputed_batched_and_alone(model, fused_redraft, prices):
     settings = dict(SETTINGS, draft_schedule="price", forward_prices=prices, fused_redraft=fused_redraft)
-    ids, mask = left_padded(PROMPTS)
-    dynamic = model.generate(ids, attention_mask=mask, **settings)
-    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
-    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
-    assert torch.equal(dynamic.sequences, static.sequences)
-    assert torch.equal(dynamic.sequences, recomputed.sequences)
-    for row, prompt in enumerate(PROMPTS):
-        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
-        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    assert_exact_everywhere(model, settings)
 
 
 @pytest.mark.parametrize("fused_redraft", [False, True])
@@ -303,11 +295,4 @@ def test_a_pessimistic_prior_starts_narrow_where_width_is_free_and_stays_exact(f
     pessimistic = forward_queries(model, lambda: model.generate(PROMPT, draft_prior=0.0, **settings))
     assert optimistic[0] == slots_per_block * size and pessimistic[0] == slots_per_block
     settings["draft_prior"] = 0.0
-    ids, mask = left_padded(PROMPTS)
-    dynamic = model.generate(ids, attention_mask=mask, **settings)
-    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
-    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
-    assert torch.equal(dynamic.sequences, static.sequences) and torch.equal(dynamic.sequences, recomputed.sequences)
-    for row, prompt in enumerate(PROMPTS):
-        alone = model.generate(torch.tensor([prompt]), **settings).sequences[0, len(prompt) :]
-        assert torch.equal(dynamic.sequences[row, ids.shape[1] : ids.shape[1] + alone.shape[0]], alone)
+    assert_exact_everywhere(model, settings)
