@@ -98,6 +98,7 @@ REFUSED_OPTIONS = {
     "use_mtp": (None, False),
     "low_memory": (None, False),
 }
+REFUSED_HINTS = {"prompt_lookup_num_tokens": "its own drafts copied from the text are `lookup_drafts`"}
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=...)`: None means "dynamic"
 # Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
 # a bounded number of graphs. Wider forwards (a prompt, a long plan) run eagerly over the same static cache. Priced
@@ -392,7 +393,7 @@ def resolve_settings(
     for name, neutral in REFUSED_OPTIONS.items():
         value = getattr(config, name, None)
         if value not in neutral:
-            hint = " (its own drafts copied from the text are `lookup_drafts`)" if "lookup" in name else ""
+            hint = f" ({REFUSED_HINTS[name]})" if name in REFUSED_HINTS else ""
             raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}{hint}.")
     decoding = check_decoding(passed, configured)
     if forward_prices is not None:
@@ -836,6 +837,11 @@ class Infilling:
     groups: list[int]
     prefix: int
     found: list[int] | None = None  # `lookup_drafts`: the drafts copied from earlier text after each count
+
+    @property
+    def fresh(self) -> int:
+        """Accepted tokens not yet stored in the cache, over all slots: the next round's forward writes them."""
+        return sum(count - stored for count, stored in zip(self.counts, self.stored))
 
     def select(self, rows: list[int]) -> "Infilling":
         return Infilling(
@@ -1426,17 +1432,16 @@ class SlotDecoder:
         `draft_schedule="price"` the number up to it that earns most per price. With `lookup_drafts`, the drafts
         copied from earlier text only: up to `lookup_drafts` (or the priced number up to it) of those found."""
         slots, settings = len(state.slots), self.settings
-        fresh = sum(count - stored for count, stored in zip(state.counts, state.stored))
         if settings.lookup_drafts:
             window = settings.lookup_drafts
             if self.prices is not None:
-                drafting = sum(1 for found in state.found if found)
+                fresh, drafting = state.fresh, sum(1 for found in state.found if found)
                 widths = [fresh + drafting * drafts for drafts in range(window + 1)]
                 window = best_window(self.prices, self.profile.rate(AcceptanceProfile.REDRAFT), widths)
             return [min(window, found) for found in state.found]
         if self.prices is None:
             return [settings.draft_window or settings.slot_size] * slots
-        return [self._priced_window(slots, fresh)] * slots
+        return [self._priced_window(slots, state.fresh)] * slots
 
     def _priced_window(self, slots: int, fresh: int) -> int:
         """The drafts per slot that earn most per price in an infill round of `slots` slots bringing `fresh` tokens;
@@ -1465,7 +1470,7 @@ class SlotDecoder:
         num_checked = sum(end - count for end, count in zip(until, state.counts))
         return dict(
             index=self._slot_index(state.slots),
-            fresh=positions(fresh, sum(count - kept for count, kept in zip(state.counts, state.stored))),
+            fresh=positions(fresh, state.fresh),
             checked=positions(checked, num_checked),
             queried=positions(queried, num_checked - len(state.slots)),
             checked_mask=checked,
