@@ -60,8 +60,10 @@ from transformers import (
     StoppingCriteriaList,
     StopStringCriteria,
 )
+from transformers import __version__ as transformers_version
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.generation import logits_process as lp
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput, logging
 
 logger = logging.get_logger(__name__)
@@ -370,6 +372,7 @@ DecodingSettings = make_dataclass(
         ("cache_implementation", str),
         ("compile_config", CompileConfig | None),  # compiled forwards over the static cache when set
         ("forward_prices", dict | None),  # `draft_schedule="price"`: the caller's {width: price}, checked
+        ("compile_cache_dir", str | None),  # compiled forwards kept there as AOTInductor packages (`SavedForwards`)
     ],
     frozen=True,
 )
@@ -386,6 +389,7 @@ def resolve_settings(
     passed = {name: value for name, value in kwargs.items() if name in SETTING}
     configured = {name: getattr(config, name, None) for name in DECODING_FIELDS}
     forward_prices = kwargs.pop("forward_prices", getattr(config, "forward_prices", None))
+    compile_cache_dir = kwargs.pop("compile_cache_dir", getattr(config, "compile_cache_dir", None))
     unused = config.update(**{name: value for name, value in kwargs.items() if name not in SETTING})
     for name, value in unused.items():
         if name != "mask_token_id":
@@ -404,6 +408,17 @@ def resolve_settings(
             f"ReFusion slot decoding supports cache_implementation in {CACHE_IMPLEMENTATIONS}, got "
             f"{cache_implementation!r}."
         )
+    compile_config = compile_config_for(model, config, cache_implementation)
+    if compile_cache_dir is not None:
+        if not isinstance(compile_cache_dir, (str, os.PathLike)) or not str(compile_cache_dir):
+            raise ValueError(f"compile_cache_dir must name a folder, got {compile_cache_dir!r}.")
+        if compile_config is None:
+            raise ValueError(
+                f"compile_cache_dir={str(compile_cache_dir)!r} keeps compiled forwards, but this decode compiles none: "
+                "pass cache_implementation='static' and a compile_config (off CUDA with "
+                "compile_config._compile_all_devices = True), without disable_compile."
+            )
+        compile_cache_dir = str(compile_cache_dir)
 
     mask_token_id = kwargs.get("mask_token_id", getattr(config, "mask_token_id", None))
     mask_token_id = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
@@ -441,8 +456,9 @@ def resolve_settings(
         do_sample=do_sample,
         use_cache=config.use_cache is not False,  # None (unset) means the cache is used, as in generate()
         cache_implementation=cache_implementation,
-        compile_config=compile_config_for(model, config, cache_implementation),
+        compile_config=compile_config,
         forward_prices=forward_prices,
+        compile_cache_dir=compile_cache_dir,
     )
     return settings, config
 
@@ -1662,7 +1678,7 @@ def batch_mask(layout: CacheLayout | StaticLayout, batch: dict, sizes: list[int]
                           columns, dtype)  # fmt: skip
 
 
-def compiled_backbone(model, compile_config: CompileConfig):
+def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.PathLike | None = None):
     """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model
     and config: its graphs (one per width bucket, cache length and batch size) are reused by later `generate()`
     calls. They may number more than dynamo's default limit of graphs per function (8; past it a `fullgraph` compile
@@ -1674,22 +1690,138 @@ def compiled_backbone(model, compile_config: CompileConfig):
     `mode`, or `torch._inductor.config.freezing = True`), the weights become constants of the graphs, packed for the
     machine's GEMM kernels. Dynamo reads that switch while it traces, where torch.compile's options do not reach, so
     the calls set it themselves. Graphs then hold the weights of the moment they were compiled: when a weight has
-    changed since (in place or replaced), a fresh backbone compiles again, so a decode never runs old weights."""
-    weights = frozen_weights(model, compile_config)
+    changed since (in place or replaced), a fresh backbone compiles again, so a decode never runs old weights.
+
+    With `saved_in` (a folder: `generate(compile_cache_dir=...)`) the forwards are compiled ahead of time instead and
+    kept there (`SavedForwards`), so that a later process loads them rather than compiling; they hold the weights
+    (frozen or not), so a weight change also means a fresh backbone."""
+    saved = Path(saved_in) if saved_in is not None else None
+    weights = frozen_weights(model, compile_config, held=saved is not None)
     compiled = getattr(model, "_refusion_compiled", None)
-    if compiled is None or compiled[0] != compile_config or compiled[1] != weights:
-        arguments = compile_config.to_dict()
-        options = {key: value for key, value in (arguments.pop("options") or {}).items() if key != "freezing"}
-        backbone = torch.compile(decoder_function(model.get_decoder()), **arguments, options=options or None)
-        freezing = weights is not None
+    # The backbone's id too: a deep copy of the model carries this record, whose functions run the original's layers.
+    if compiled is None or compiled[:4] != (compile_config, weights, saved, id(model.get_decoder())):
+        if saved is not None:
+            backbone = SavedForwards(model, compile_config, saved)
+        else:
+            arguments = compile_config.to_dict()
+            options = {key: value for key, value in (arguments.pop("options") or {}).items() if key != "freezing"}
+            compiled_function = torch.compile(
+                decoder_function(model.get_decoder()), **arguments, options=options or None
+            )
+            freezing = weights is not None
 
-        def within_limit(**inputs):
-            limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-            with torch._dynamo.config.patch(recompile_limit=limit), torch._inductor.config.patch(freezing=freezing):
-                return backbone(inputs)
+            def backbone(**inputs):
+                limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+                with torch._dynamo.config.patch(recompile_limit=limit), torch._inductor.config.patch(freezing=freezing):
+                    return compiled_function(inputs)
 
-        compiled = model._refusion_compiled = (copy.deepcopy(compile_config), weights, within_limit)
-    return compiled[2]
+        compiled = (copy.deepcopy(compile_config), weights, saved, id(model.get_decoder()), backbone)
+        model._refusion_compiled = compiled
+    return compiled[4]
+
+
+class SavedForwards:
+    """The backbone's forwards compiled ahead of time (`torch.export`, then AOTInductor with the compile config's
+    mode and options), one package per input shape (batch size, width, cache length), kept in `folder` as
+    `<key>.pt2`: a later process loads a package in about a second where `torch.compile` traces and compiles again
+    (for SmolLM2 with frozen weights on an AVX2 CPU, about 24 s a width even with inductor's disk cache warm). The key
+    (`saved_forward_key`) covers what a package depends on: the weights' contents (a package holds them, frozen or
+    not), the model's class, config, dtype and device, the compile config, this file's source and the versions of
+    torch and transformers. A package that does not load (damaged, or built elsewhere) is compiled again, with a
+    warning. Packages are written whole (to a partial file, then renamed), so processes may share a folder. Called as
+    the compiled backbone is (`run_model`); CUDA graphs (`mode="reduce-overhead"`) do not apply to packages."""
+
+    def __init__(self, model, compile_config: CompileConfig, folder: Path):
+        if compile_config.backend != "inductor":
+            raise ValueError(
+                f"compile_cache_dir keeps forwards compiled by inductor (AOTInductor); the compile config asks for "
+                f"backend={compile_config.backend!r}."
+            )
+        mode_options = torch._inductor.list_mode_options(compile_config.mode or "default")
+        mode_options.pop("triton.cudagraphs", None)
+        self.inductor_configs = {**mode_options, **(compile_config.options or {})}
+        self.model, self.folder, self.runners = model, folder, {}
+        self.fingerprint = saved_forward_key(model, compile_config)
+
+    def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
+        inputs = (
+            input_ids, position_ids, attention_mask, cache.columns,
+            [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+        )  # fmt: skip
+        shape = (*input_ids.shape, cache.max_cache_len)
+        if shape not in self.runners:
+            self.runners[shape] = self.load_or_compile(shape, inputs, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.runners[shape](*inputs))
+
+    def __deepcopy__(self, memo):
+        return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
+
+    def path(self, shape: tuple[int, int, int]) -> Path:
+        """Where the package of forwards of `shape` (batch size, width, cache length) is kept."""
+        key = f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}"
+        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
+
+    def load_or_compile(self, shape: tuple[int, int, int], inputs: tuple, cache: "SlotCache"):
+        path = self.path(shape)
+        if path.exists():
+            try:
+                return torch._inductor.aoti_load_package(str(path))
+            except Exception as error:  # any failure to load means: compile it again
+                logger.warning(f"The saved forward {path} did not load ({type(error).__name__}: {error}); compiling it "
+                               "again.")  # fmt: skip
+        exported = torch.export.export(ExportedBackbone(self.model.get_decoder(), cache), inputs, strict=False)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+        try:
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(partial), inductor_configs=self.inductor_configs
+            )
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return torch._inductor.aoti_load_package(str(path))
+
+
+class ExportedBackbone(torch.nn.Module):
+    """The backbone as `torch.export` takes it: the cache's key/value tensors and write columns are inputs (written in
+    place), so a package serves any cache of the same shape."""
+
+    def __init__(self, decoder, cache: "SlotCache"):
+        super().__init__()
+        self.decoder, self.cache = decoder, cache
+
+    def forward(self, input_ids, position_ids, attention_mask, columns, keys, values):
+        cache = copy.copy(self.cache)  # the same cache over the inputs' tensors
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
+            layer.keys, layer.values = layer_keys, layer_values
+        cache.columns = columns
+        output = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
+        )
+        return output.last_hidden_state
+
+
+def saved_forward_key(model, compile_config: CompileConfig) -> str:
+    """What a saved forward depends on besides its input shape, as one string (see `SavedForwards`)."""
+    weights = hashlib.blake2b(digest_size=16)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        weights.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        data = tensor.detach().contiguous().cpu()
+        weights.update(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
+    if model.device.type == "cuda":
+        device = torch.cuda.get_device_name(model.device)
+    else:
+        device = f"{cpu_name()} {torch.backends.cpu.get_cpu_capability()}"
+    return " | ".join([
+        type(model).__name__,
+        hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
+        weights.hexdigest(),
+        f"{device} {model.dtype}",
+        json.dumps(compile_config.to_dict(), sort_keys=True, default=str),
+        hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+        f"torch {torch.__version__}, transformers {transformers_version}",
+    ])  # fmt: skip
 
 
 def decoder_function(decoder):
@@ -1703,11 +1835,12 @@ def decoder_function(decoder):
     return type(backbone)(code, backbone.__globals__, code.co_name, None, backbone.__closure__)
 
 
-def frozen_weights(model, compile_config: CompileConfig) -> tuple | None:
+def frozen_weights(model, compile_config: CompileConfig, held: bool = False) -> tuple | None:
     """None unless `compile_config` freezes weights into the graphs (its `options`' "freezing", by default inductor's
-    global `torch._inductor.config.freezing`); then what identifies the model's current weights: each parameter's
-    and buffer's memory, dtype and version (any in-place change moves the version)."""
-    if not freezes_weights(compile_config):
+    global `torch._inductor.config.freezing`) or the compiled forwards hold them anyway (`held`: saved forwards); then
+    what identifies the model's current weights: each parameter's and buffer's memory, dtype and version (any
+    in-place change moves the version)."""
+    if not (held or freezes_weights(compile_config)):
         return None
     tensors = [*model.parameters(), *model.buffers()]
     return tuple((tensor.data_ptr(), tensor.dtype, tensor._version if not tensor.is_inference() else -1)
@@ -1820,14 +1953,20 @@ def static_cache_columns(prompt_length: int, max_new_tokens: int, slot_size: int
 
 
 def compile_forwards(
-    model, compile_config: CompileConfig, batch_size: int, max_cache_len: int, draft_schedule: str = "fixed"
+    model,
+    compile_config: CompileConfig,
+    batch_size: int,
+    max_cache_len: int,
+    draft_schedule: str = "fixed",
+    compile_cache_dir: str | os.PathLike | None = None,
 ) -> None:
     """Compile the forward of every width bucket of `draft_schedule` now, over the static cache for `batch_size`
     rows and `max_cache_len` columns (`static_cache_columns`), so that later `generate(cache_implementation="static",
-    compile_config=compile_config)` calls of that batch size and draft schedule whose cache fits compile nothing. The
-    forwards run on padding: what they write, the mask of a decode hides."""
+    compile_config=compile_config)` calls of that batch size and draft schedule whose cache fits compile nothing
+    (with `compile_cache_dir`, the same as theirs: load or compile and keep the saved forwards). The forwards run on
+    padding: what they write, the mask of a decode hides."""
     cache = slot_cache(model, batch_size, max_cache_len)
-    compiled = compiled_backbone(model, compile_config)
+    compiled = compiled_backbone(model, compile_config, compile_cache_dir)
     layout = StaticLayout(cache, batch_size, model.device)
     with torch.no_grad():
         for width in width_buckets(draft_schedule):
@@ -1865,10 +2004,10 @@ def measure_forward_prices(
     return table
 
 
-def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None) -> str:
+def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None, saved=False) -> str:
     """What a price table holds for: the model (name, config, kinds of linear layer), the device and threads, the
-    dtype, the forward path (eager, or the compile config and width `buckets`), the batch size and cache length, and
-    torch's version."""
+    dtype, the forward path (eager, or the compile config, width `buckets` and whether the forwards are `saved` ones),
+    the batch size and cache length, and torch's version."""
     config = model.config.to_json_string(use_diff=False)
     linears = sorted({type(module).__name__ for module in model.modules() if isinstance(module, torch.nn.Linear)})
     if model.device.type == "cuda":
@@ -1883,7 +2022,8 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buc
         f"{device} {torch.get_num_threads()} threads",
         str(model.dtype),
         "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}"
-        + (", frozen weights" if freezes_weights(compile_config) else ""),
+        + (", frozen weights" if freezes_weights(compile_config) else "")
+        + (", saved (AOTInductor)" if saved else ""),
         f"batch {keys.shape[0]}, cache {keys.shape[2]}",
         f"torch {torch.__version__}",
     ])  # fmt: skip
@@ -1923,7 +2063,7 @@ def measured_prices(
     """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`, padded
     to its width `buckets`): the one measured before for the same `price_key` (kept on the model and in
     `price_file()`), else one measured now (once: a few seconds)."""
-    key = price_key(model, cache, compile_config, buckets)
+    key = price_key(model, cache, compile_config, buckets, saved=isinstance(compiled, SavedForwards))
     known = getattr(model, "_refusion_prices", None)
     if known is None:
         known = model._refusion_prices = {}
@@ -2007,7 +2147,7 @@ def refusion_generate(
         if settings.use_cache and settings.cache_implementation == "static":
             cache = slot_cache(model, batch_size, columns)
             if settings.compile_config:
-                compiled = compiled_backbone(model, settings.compile_config)
+                compiled = compiled_backbone(model, settings.compile_config, settings.compile_cache_dir)
                 buckets = width_buckets(settings.draft_schedule)
         elif settings.use_cache:
             cache = DynamicCache()

@@ -2,7 +2,7 @@
 
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
         [--refusion compiled eager] [--draft_schedules fixed price] [--lookup_drafts 0 4] [--token_thresholds 0.3 0.5]
-        [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze] [--ar_prompt_lookup 4]
+        [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze] [--compile_cache_dir DIR] [--ar_prompt_lookup 4]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
 turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and by
@@ -27,6 +27,8 @@ With compiled ReFusion, a fourth AR decodes beside them: `static AR` (`recipe.de
 token over ReFusion's static cache through the same compiled (with `--freeze`, frozen) backbone in ReFusion's dtype,
 so that its step is ReFusion's one-query forward. It is the like-for-like reference of a compiled ReFusion: the
 speed-up against it is tokens per forward over the price of ReFusion's forwards on the same kernels.
+`--compile_cache_dir DIR` compiles both ahead of time instead and keeps the packages in DIR (`generate(
+compile_cache_dir=...)`): a second run loads them in seconds (the compile time printed is then the loading).
 
 `--ar_prompt_lookup N` adds transformers' own prompt lookup decoding as a fifth AR: eager `generate()` in ReFusion's
 dtype with `prompt_lookup_num_tokens=N` (assisted generation, which transformers runs with a dynamic cache only), the
@@ -80,6 +82,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
     parser.add_argument("--ar_dtype", default="bfloat16", help="the compiled AR's dtype")
     parser.add_argument("--freeze", action="store_true", help="freeze ReFusion's weights into its compiled graphs")
+    parser.add_argument("--compile_cache_dir", default=None,
+                        help="keep ReFusion's and the static AR's compiled forwards there (AOTInductor)")  # fmt: skip
     parser.add_argument("--ar_prompt_lookup", type=int, default=0, metavar="N",
                         help="also time eager AR with transformers' prompt_lookup_num_tokens=N")  # fmt: skip
     args = parser.parse_args()
@@ -95,10 +99,13 @@ def main() -> None:
     for path in args.refusion:
         options = {}
         if path == "compiled":
-            options = dict(compiled_refusion(args.device, mode, args.freeze), time_forwards=False)
+            options = dict(compiled_refusion(args.device, mode, args.freeze, args.compile_cache_dir),
+                           time_forwards=False)  # fmt: skip
             schedule = "price" if "price" in args.draft_schedules else "fixed"  # its buckets serve both schedules
-            compile_seconds = compile_refusion(model, prompts, args.max_new_tokens, options["compile_config"],
-                                               draft_schedule=schedule)  # fmt: skip
+            compile_seconds = compile_refusion(
+                model, prompts, args.max_new_tokens, options["compile_config"], draft_schedule=schedule,
+                compile_cache_dir=args.compile_cache_dir,
+            )  # fmt: skip
             print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
         for schedule, lookup, threshold in itertools.product(
             args.draft_schedules, args.lookup_drafts, args.token_thresholds
@@ -122,7 +129,8 @@ def main() -> None:
         static_ar = copy.deepcopy(base).to(args.device, dtype)
         prepare_for_decoding(static_ar)  # its output layer runs eagerly, as ReFusion's does
         static_settings = dict(compile_config=compiled_refusion(args.device, mode, args.freeze)["compile_config"],
-                               max_cache_len=static_cache_length(prompts, args.max_new_tokens))  # fmt: skip
+                               max_cache_len=static_cache_length(prompts, args.max_new_tokens),
+                               compile_cache_dir=args.compile_cache_dir)  # fmt: skip
         warm_up = decode_static_ar(static_ar, tokenizer, prompts[:1], 3, eos_token_id=[], **static_settings)
         name = "static AR" + (" (frozen)" if args.freeze else "")
         print(f"{name}: warm-up (compiling its one-query step) {warm_up.seconds:.1f} s ({dtype})", flush=True)

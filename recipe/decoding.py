@@ -226,17 +226,21 @@ def compile_mode(device: str | torch.device) -> str:
     return "reduce-overhead" if torch.device(device).type == "cuda" else "max-autotune-no-cudagraphs"
 
 
-def compiled_refusion(device: str | torch.device, mode: str | None = None, freeze: bool = False) -> dict:
+def compiled_refusion(
+    device: str | torch.device, mode: str | None = None, freeze: bool = False, compile_cache_dir: str | None = None
+) -> dict:
     """The `generate()` options that decode ReFusion with compiled forwards over its static cache on `device`, in
     `mode` (default: `compile_mode`): transformers' `cache_implementation="static"` and a `compile_config` that
     compiles on every device (transformers, and ReFusion's decoder with it, compile only on CUDA otherwise). With
     `freeze`, inductor freezes the weights into the graphs (`options={"freezing": True}`, which ReFusion's decoder
     applies itself): faster forwards on a CPU, but a long compile (minutes; on the AMX CPU inductor's disk cache did
-    not keep such graphs, on the AVX2 CPU it did)."""
+    not keep such graphs, on the AVX2 CPU it did). With `compile_cache_dir` the forwards are compiled ahead of time
+    and kept in that folder (AOTInductor packages), which a later process loads in seconds."""
     options = {"freezing": True} if freeze else None
     config = CompileConfig(fullgraph=True, dynamic=False, mode=mode or compile_mode(device), options=options)
     config._compile_all_devices = True
-    return {"cache_implementation": "static", "compile_config": config}
+    saved = {"compile_cache_dir": compile_cache_dir} if compile_cache_dir is not None else {}
+    return {"cache_implementation": "static", "compile_config": config, **saved}
 
 
 def decoder_module(model: PreTrainedModel) -> ModuleType:
@@ -260,11 +264,12 @@ def compile_refusion(
     batch_size: int = 1,
     generation_config: GenerationConfig | None = None,
     draft_schedule: str | None = None,
+    compile_cache_dir: str | None = None,
 ) -> float:
     """Compile ReFusion's forwards for decoding `prompts` in batches of `batch_size` (every width bucket of
     `draft_schedule`, over a static cache long enough for the longest prompt, with the slot and block sizes and the
     draft schedule of `generation_config`, the model's by default), so that the timed decode compiles nothing;
-    returns the seconds it took (the one-off compile time)."""
+    returns the seconds it took (the one-off compile time; with `compile_cache_dir`, loading what is kept there)."""
     decoder = decoder_module(model)
     config = generation_config or model.generation_config
     slot_size = getattr(config, "slot_size", None) or DECODING_DEFAULTS["slot_size"]
@@ -274,7 +279,7 @@ def compile_refusion(
     synchronize(model.device)
     started = time.perf_counter()
     schedule = draft_schedule or getattr(config, "draft_schedule", None) or DECODING_DEFAULTS["draft_schedule"]
-    decoder.compile_forwards(model, compile_config, min(batch_size, len(prompts)), columns, schedule)
+    decoder.compile_forwards(model, compile_config, min(batch_size, len(prompts)), columns, schedule, compile_cache_dir)
     synchronize(model.device)
     return time.perf_counter() - started
 
@@ -364,9 +369,11 @@ def decode_static_ar(
     compile_config: CompileConfig | None = None,
     max_cache_len: int | None = None,
     eos_token_id: int | list[int] | None = None,
+    compile_cache_dir: str | None = None,
 ) -> DecodeRun:
     """Greedy token-by-token decoding of each prompt alone over ReFusion's static cache (`SlotCache`) and through its
-    compiled backbone (`compiled_backbone(model, compile_config)`; eager without a config): the AR whose step is
+    compiled backbone (`compiled_backbone(model, compile_config, compile_cache_dir)`; eager without a config): the
+    AR whose step is
     exactly ReFusion's one-query forward. With weights frozen into the graphs (`compiled_refusion(freeze=True)`) it
     is the frozen AR that transformers' compiled `generate()` cannot give (its static cache write fails under
     freezing), so frozen ReFusion has a like-for-like reference.
@@ -382,7 +389,9 @@ def decode_static_ar(
     cache = generation_refusion.slot_cache(model, 1, needed)
     columns = torch.arange(cache.max_cache_len, device=model.device)
     causal = additive_mask(columns[None, :] <= columns[:, None], model.dtype)  # row i: the query at column i
-    compiled = generation_refusion.compiled_backbone(model, compile_config) if compile_config is not None else None
+    compiled = None
+    if compile_config is not None:
+        compiled = generation_refusion.compiled_backbone(model, compile_config, compile_cache_dir)
     answers, seconds, forwards = [], 0.0, 0
     for prompt in prompts:
         if len(prompt) + max_new_tokens > needed:

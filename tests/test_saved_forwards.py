@@ -1,0 +1,116 @@
+"""Compiled forwards kept on disk (`generate(compile_cache_dir=...)`): AOTInductor packages that give the eager tokens,
+that a later decode loads instead of compiling, keyed by everything they hold, and that are compiled again when one
+does not load."""
+
+import copy
+
+import pytest
+import torch
+from test_batching import PROMPTS, left_padded
+from test_generation import PROMPT, sharpened_model
+from transformers import CompileConfig
+
+from generation_refusion import SavedForwards, compiled_backbone
+
+SETTINGS = dict(
+    max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, fused_redraft=True,
+    eos_token_id=[], pad_token_id=0, cache_implementation="static",
+)  # fmt: skip
+
+
+def compile_config(**options) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, options=options or None)
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The packages compiled from here on (their paths), counted as AOTInductor is called."""
+    paths, compile_package = [], torch._inductor.aoti_compile_and_package
+
+    def counted(exported, package_path, **kwargs):
+        paths.append(package_path)
+        return compile_package(exported, package_path=package_path, **kwargs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", counted)
+    return paths
+
+
+def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_path, compiles, caplog):
+    model = sharpened_model("llama", scale=4.0)
+    config = compile_config(freezing=True)
+    ids, mask = left_padded(PROMPTS)
+    eager = model.generate(ids, attention_mask=mask, **SETTINGS)
+    saved = dict(SETTINGS, compile_config=config, compile_cache_dir=str(tmp_path))
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
+    packages = sorted(tmp_path.iterdir())
+    assert len(packages) == len(compiles) >= 2 and all(path.suffix == ".pt2" for path in packages)  # no partial file
+
+    del model._refusion_compiled  # as a new process would: nothing in memory, the packages on disk
+    count = len(compiles)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
+    assert len(compiles) == count  # loaded, not compiled
+    del model._refusion_slot_cache  # a new cache of the same shape: its tensors are the packages' inputs
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
+    assert len(compiles) == count
+
+    packages[0].write_bytes(b"not a package")  # damaged: compiled again, with a warning, and decodes as before
+    del model._refusion_compiled
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
+    assert len(compiles) == count + 1 and "did not load" in caplog.text
+    assert sorted(tmp_path.iterdir()) == packages
+
+
+def test_a_weight_change_means_other_packages(tmp_path):
+    """A package holds the weights (frozen or not): a changed weight gives a new backbone with another key, an equal
+    copy of the model (a later process loading the same checkpoint) the same key."""
+    model = sharpened_model("qwen2", scale=4.0)
+    config = compile_config()
+    shape = (1, 8, 128)
+    first = compiled_backbone(model, config, tmp_path)
+    assert isinstance(first, SavedForwards) and compiled_backbone(model, config, tmp_path) is first
+    assert SavedForwards(copy.deepcopy(model), config, tmp_path).path(shape) == first.path(shape)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0  # one element, in place
+    second = compiled_backbone(model, config, tmp_path)
+    assert second is not first and second.path(shape) != first.path(shape)
+    keys = {
+        second.path(shape),
+        second.path((2, 8, 128)),
+        second.path((1, 16, 128)),
+        second.path((1, 8, 256)),
+        SavedForwards(model, compile_config(freezing=True), tmp_path).path(shape),
+        SavedForwards(model.to(torch.float32), config, tmp_path).path(shape),
+    }
+    assert len(keys) == 6
+
+
+def test_compile_cache_dir_needs_compiled_forwards_by_inductor(tmp_path):
+    model = sharpened_model("mistral", scale=4.0)
+    settings = dict(SETTINGS, compile_cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="compile_cache_dir=.*compiles none"):
+        model.generate(PROMPT, **settings)  # static cache, but no compile config
+    with pytest.raises(ValueError, match="compile_cache_dir=.*compiles none"):
+        model.generate(PROMPT, **dict(settings, cache_implementation=None, compile_config=compile_config()))
+    with pytest.raises(ValueError, match="compile_cache_dir must name a folder"):
+        model.generate(PROMPT, **dict(settings, compile_config=compile_config(), compile_cache_dir=""))
+    eager_backend = compile_config()
+    eager_backend.backend = "eager"
+    with pytest.raises(ValueError, match="backend='eager'"):
+        model.generate(PROMPT, **dict(settings, compile_config=eager_backend))
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_deep_copy_of_the_model_gets_a_backbone_of_its_own(tmp_path, saved):
+    """The record of the compiled backbone travels with a deep copy of the model; its functions would run the
+    original's layers (and weights), so the copy builds its own."""
+    model = sharpened_model("qwen3", scale=4.0)
+    folder = tmp_path if saved else None
+    original = compiled_backbone(model, compile_config(), folder)
+    twin = copy.deepcopy(model)
+    backbone = compiled_backbone(twin, compile_config(), folder)
+    assert backbone is not original and compiled_backbone(model, compile_config(), folder) is original
+    if saved:
+        assert backbone.model is twin
