@@ -99,6 +99,9 @@ def test_compile_cache_dir_needs_compiled_forwards_by_inductor(tmp_path):
     eager_backend.backend = "eager"
     with pytest.raises(ValueError, match="backend='eager'"):
         model.generate(PROMPT, **dict(settings, compile_config=eager_backend))
+    model.generation_config.compile_cache_dir = str(tmp_path)  # read from the model's generation config too
+    with pytest.raises(ValueError, match="compile_cache_dir=.*compiles none"):
+        model.generate(PROMPT, **{key: value for key, value in settings.items() if key != "compile_cache_dir"})
     assert not any(tmp_path.iterdir())
 
 
