@@ -1809,15 +1809,11 @@ def saved_forward_key(model, compile_config: CompileConfig) -> str:
         weights.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
         data = tensor.detach().contiguous().cpu()
         weights.update(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
-    if model.device.type == "cuda":
-        device = torch.cuda.get_device_name(model.device)
-    else:
-        device = f"{cpu_name()} {torch.backends.cpu.get_cpu_capability()}"
     return " | ".join([
         type(model).__name__,
         hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         weights.hexdigest(),
-        f"{device} {model.dtype}",
+        f"{device_name(model)} {model.dtype}",
         json.dumps(compile_config.to_dict(), sort_keys=True, default=str),
         hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
         f"torch {torch.__version__}, transformers {transformers_version}",
@@ -2010,16 +2006,12 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buc
     the batch size and cache length, and torch's version."""
     config = model.config.to_json_string(use_diff=False)
     linears = sorted({type(module).__name__ for module in model.modules() if isinstance(module, torch.nn.Linear)})
-    if model.device.type == "cuda":
-        device = torch.cuda.get_device_name(model.device)
-    else:
-        device = f"{cpu_name()} {torch.backends.cpu.get_cpu_capability()}"
     keys = cache.layers[0].keys
     return " | ".join([
         model.config._name_or_path or model.config.model_type,
         hashlib.sha256(config.encode()).hexdigest()[:16],
         "+".join(linears),
-        f"{device} {torch.get_num_threads()} threads",
+        f"{device_name(model)} {torch.get_num_threads()} threads",
         str(model.dtype),
         "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}"
         + (", frozen weights" if freezes_weights(compile_config) else "")
@@ -2027,6 +2019,14 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buc
         f"batch {keys.shape[0]}, cache {keys.shape[2]}",
         f"torch {torch.__version__}",
     ])  # fmt: skip
+
+
+def device_name(model) -> str:
+    """The model's device as compiled code and prices depend on it: the GPU's name, or the processor's with its
+    instruction set."""
+    if model.device.type == "cuda":
+        return torch.cuda.get_device_name(model.device)
+    return f"{cpu_name()} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def cpu_name() -> str:

@@ -373,10 +373,9 @@ def decode_static_ar(
 ) -> DecodeRun:
     """Greedy token-by-token decoding of each prompt alone over ReFusion's static cache (`SlotCache`) and through its
     compiled backbone (`compiled_backbone(model, compile_config, compile_cache_dir)`; eager without a config): the
-    AR whose step is
-    exactly ReFusion's one-query forward. With weights frozen into the graphs (`compiled_refusion(freeze=True)`) it
-    is the frozen AR that transformers' compiled `generate()` cannot give (its static cache write fails under
-    freezing), so frozen ReFusion has a like-for-like reference.
+    AR whose step is exactly ReFusion's one-query forward. With weights frozen into the graphs
+    (`compiled_refusion(freeze=True)`) it is the frozen AR that transformers' compiled `generate()` cannot give (its
+    static cache write fails under freezing), so frozen ReFusion has a like-for-like reference.
 
     The prompt runs eagerly, then each step feeds the last token as one query at the next cache column and RoPE
     position, the output layer eager as in ReFusion's forwards (`run_model`), and reads the argmax (the one wait per
