@@ -112,8 +112,12 @@ RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cac
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
-# empty: keep none).
+# empty: keep none). Measuring stops at the first width that costs `PRICE_LINEAR` times its width in one-query
+# forwards (no economy of width left: wider forwards are prorated), and a width takes fewer repeats once measuring
+# has spent `PRICE_SECONDS`: a batch of 32 on a CPU would otherwise spend as long pricing its forwards as decoding.
 PRICE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+PRICE_LINEAR = 0.9
+PRICE_SECONDS = 4.0
 PRICE_CACHE_VARIABLE = "REFUSION_PRICE_CACHE"
 # Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
 CONTEXT_FREE = (
@@ -1974,29 +1978,52 @@ def compile_forwards(
 
 
 def measure_forward_prices(
-    model, cache: SlotCache, compiled=None, widths=PRICE_WIDTHS, repeats=3, buckets=None
+    model,
+    cache: SlotCache,
+    compiled=None,
+    widths=PRICE_WIDTHS,
+    repeats=3,
+    buckets=None,
+    seconds=PRICE_SECONDS,
+    prompt_width: int | None = None,
 ) -> dict[int, float]:
     """Seconds a forward of each of `widths` new tokens per row takes over `cache` (through the `compiled` backbone
-    where given, at the width it pads to among its `buckets`), the fastest of `repeats` after a warm-up. The
-    forwards run on padding: what they write, the mask of a decode hides."""
+    where given, at the width it pads to among its `buckets`), the fastest of `repeats` after a warm-up; once the
+    measuring has taken `seconds`, a single forward. Widths go narrowest first and stop at the first that costs
+    `PRICE_LINEAR` times as many one-query forwards as it has queries: wider forwards then cost in proportion
+    (`ForwardPrices` prorates past the widest measured width) and measuring them would take longest.
+
+    First, a forward of `prompt_width` (a decode's first forward, its prompt's) where given: the decode's forwards
+    run after it, and so are measured. What a forward costs depends on what ran before: glibc's allocator serves
+    large tensors from fresh pages until larger ones have been freed, which made SmolLM2's two-query forwards at a
+    batch of 8 cost 190-235 ms measured first and 141-153 ms after a wide one. The forwards run on padding:
+    what they write, the mask of a decode hides."""
     batch_size, device = cache.layers[0].keys.shape[0], model.device
     layout = StaticLayout(cache, batch_size, device)
-    timed, table = {}, {}
+
+    def forward(width: int, num_logits: int) -> float:
+        batch = {name: torch.full((batch_size, width), value, dtype=torch.long, device=device)
+                 for name, value in PADDING.items()}  # fmt: skip
+        mask = batch_mask(layout, batch, [0] * batch_size, model.dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run_model(model, compiled, batch, mask, cache, num_logits).sum().item()  # waits for the device
+        return time.perf_counter() - start
+
+    if prompt_width:  # its logits as many as the widest measured forward's, not the whole prompt's
+        forward(pad_width(prompt_width, buckets), min(prompt_width, max(widths)))
+    timed, table, started = {}, {}, time.perf_counter()
     for width in widths:
         padded = pad_width(width, buckets)
         if padded not in timed:
-            batch = {name: torch.full((batch_size, padded), value, dtype=torch.long, device=device)
-                     for name, value in PADDING.items()}  # fmt: skip
-            mask = batch_mask(layout, batch, [0] * batch_size, model.dtype)
-            seconds = []
-            for _ in range(repeats + 1):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                run_model(model, compiled, batch, mask, cache, padded).sum().item()  # waits for the device
-                seconds.append(time.perf_counter() - start)
-            timed[padded] = min(seconds[1:])
+            runs = [forward(padded, padded)]
+            while len(runs) <= repeats and time.perf_counter() - started < seconds:
+                runs.append(forward(padded, padded))
+            timed[padded] = min(runs[1:] or runs)  # the first is a warm-up, unless it is all there was time for
         table[width] = timed[padded]
+        if width > widths[0] and table[width] >= PRICE_LINEAR * width * table[widths[0]] / widths[0]:
+            break
     return table
 
 
@@ -2058,11 +2085,11 @@ def read_price_file(path: Path | None) -> dict:
 
 
 def measured_prices(
-    model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None, buckets=None
+    model, compile_config: CompileConfig | None, cache: SlotCache, compiled=None, buckets=None, prompt_width=None
 ) -> ForwardPrices:
     """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`, padded
     to its width `buckets`): the one measured before for the same `price_key` (kept on the model and in
-    `price_file()`), else one measured now (once: a few seconds)."""
+    `price_file()`), else one measured now, after a forward of the decode's `prompt_width` (once: a few seconds)."""
     key = price_key(model, cache, compile_config, buckets, saved=isinstance(compiled, SavedForwards))
     known = getattr(model, "_refusion_prices", None)
     if known is None:
@@ -2073,7 +2100,7 @@ def measured_prices(
         try:
             known[key] = check_forward_prices(stored)
         except ValueError:  # not kept, or damaged
-            known[key] = measure_forward_prices(model, cache, compiled, buckets=buckets)
+            known[key] = measure_forward_prices(model, cache, compiled, buckets=buckets, prompt_width=prompt_width)
             if path is not None:
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -2139,10 +2166,8 @@ def refusion_generate(
 
     with torch.no_grad():
         batch_size = len(prompts) if settings.use_cache else 1  # without a cache each row decodes alone
-        columns = static_cache_columns(
-            max(prompt.shape[0] for prompt in prompts), settings.max_new_tokens, settings.slot_size,
-            settings.block_length,
-        )  # fmt: skip
+        prompt_width = max(prompt.shape[0] for prompt in prompts)  # the first forward's
+        columns = static_cache_columns(prompt_width, settings.max_new_tokens, settings.slot_size, settings.block_length)
         cache, compiled, buckets = None, None, None
         if settings.use_cache and settings.cache_implementation == "static":
             cache = slot_cache(model, batch_size, columns)
@@ -2156,7 +2181,7 @@ def refusion_generate(
             prices = ForwardPrices(settings.forward_prices, buckets)
         elif settings.draft_schedule == "price":  # measured over the decode's own cache, or one like it
             priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
-            prices = measured_prices(model, settings.compile_config, priced, compiled, buckets)
+            prices = measured_prices(model, settings.compile_config, priced, compiled, buckets, prompt_width)
         decoders = []
         for prompt in prompts:
             processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)

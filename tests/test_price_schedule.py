@@ -198,7 +198,8 @@ def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatc
     first = model.generate(PROMPT, draft_schedule="price", **SETTINGS)
     (key, table), *others = json.loads(path.read_text()).items()
     assert not others and "torch.float64" in key and "eager" in key
-    assert [int(width) for width in table] == list(generation_refusion.PRICE_WIDTHS)
+    widths = [int(width) for width in table]  # measuring may stop early: a prefix of the widths, two at least
+    assert len(widths) >= 2 and widths == list(generation_refusion.PRICE_WIDTHS[: len(widths)])
     assert all(price > 0 for price in table.values())
 
     def refuse(*args, **kwargs):
@@ -210,6 +211,79 @@ def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatc
     same = fresh.generate(PROMPT, draft_schedule="price", forward_prices=table, **SETTINGS)
     assert torch.equal(again.sequences, same.sequences)
     assert torch.equal(first.sequences, again.sequences)  # the table in force was the measured one
+
+
+class FakeForwards:
+    """Forwards that take `cost(width)` seconds on a clock of their own (the module's `time.perf_counter`), the
+    widths run recorded."""
+
+    def __init__(self, monkeypatch, cost):
+        self.now, self.cost, self.widths, self.logits = 0.0, cost, [], []
+        monkeypatch.setattr(generation_refusion, "time", type("Clock", (), {"perf_counter": lambda: self.now}))
+        monkeypatch.setattr(generation_refusion, "run_model", self)
+
+    def __call__(self, model, compiled, batch, mask, cache, num_logits):
+        width = batch["ids"].shape[1]
+        self.widths.append(width)
+        self.logits.append(num_logits)
+        self.now += self.cost(width, len(self.widths))
+        return torch.zeros(1)
+
+
+def measure(model, batch_size=1, **kwargs):
+    return generation_refusion.measure_forward_prices(model, SlotCache(model, batch_size, 128), **kwargs)
+
+
+def test_measuring_stops_where_width_has_no_economy_left_and_prorates_past_it(monkeypatch):
+    model = sharpened_model("llama", scale=4.0)
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * width)  # every query costs the first's price
+    table = measure(model)
+    assert table == pytest.approx({1: 0.01, 2: 0.02})  # 2 costs two one-query forwards: 4 to 64 not run
+    assert set(forwards.widths) == {1, 2} and len(forwards.widths) == 8  # a warm-up and 3 repeats each
+    assert ForwardPrices(table)(64) == pytest.approx(0.64)
+
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * width)
+    assert measure(model, prompt_width=40) == pytest.approx(table)  # after a forward as wide as the decode's first
+    assert forwards.widths[:2] == [40, 1] and forwards.logits[0] == 40 and len(forwards.widths) == 9
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * width)
+    measure(model, prompt_width=100)
+    assert forwards.widths[0] == 100 and forwards.logits[0] == 64  # no more logits than the widest measured forward
+
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width)  # width is cheap: all measured
+    table = measure(model)
+    assert list(table) == list(generation_refusion.PRICE_WIDTHS)
+    assert table[64] == pytest.approx(0.074)
+    # just below the line (0.9 of the one-query price per query) still measures on
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * (1 if width == 1 else 0.89 * width))
+    assert list(measure(model)) == list(generation_refusion.PRICE_WIDTHS)
+
+
+def test_measuring_takes_the_fastest_repeat_and_fewer_once_its_time_is_spent(monkeypatch):
+    model = sharpened_model("llama", scale=4.0)
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width + (0.5 if run % 4 == 2 else 0))
+    table = measure(model)
+    assert table[1] == pytest.approx(0.011)  # a slow run among the repeats is not the price
+    forwards = FakeForwards(monkeypatch, lambda width, run: 1.0 + 0.01 * width)  # 1 s a forward, 4 s to spend
+    table = measure(model, seconds=4.0)
+    assert list(table) == list(generation_refusion.PRICE_WIDTHS)
+    counts = [forwards.widths.count(width) for width in generation_refusion.PRICE_WIDTHS]
+    assert counts == [4, 1, 1, 1, 1, 1, 1]  # after the first width, one forward each: no warm-up, no repeat
+    assert table[64] == pytest.approx(1.64)
+
+
+def test_a_decode_measures_its_prices_after_a_forward_as_wide_as_its_prompt(monkeypatch):
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
+    measured, measure_forward_prices = [], generation_refusion.measure_forward_prices
+
+    def spy(*args, **kwargs):
+        measured.append(kwargs["prompt_width"])
+        return measure_forward_prices(*args, **kwargs)
+
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", spy)
+    model = sharpened_model("qwen3", scale=4.0)
+    ids, mask = left_padded(PROMPTS)
+    model.generate(ids, attention_mask=mask, draft_schedule="price", **SETTINGS)
+    assert measured == [ids.shape[1]]
 
 
 def test_a_damaged_file_is_measured_again_and_an_empty_name_keeps_nothing(tmp_path, monkeypatch):
