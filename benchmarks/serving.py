@@ -8,11 +8,14 @@ held-out chat prompts (never trained on) and greedy decoding everywhere:
 - vLLM, autoregressive: the OpenAI server, `concurrency` streamed requests in flight at once;
 - vLLM with ReFusion drafts (`--drafts K`, 0 to skip): the same server with the checkpoint as its own parallel
   drafter through the refusion-vllm plugin, with vLLM's speculation counters read back from `/metrics`;
-- transformers `generate()`, autoregressive, and our ReFusion decoder: one process, the prompts in static
+- transformers `generate()`, autoregressive (as loaded, and again with the decoding policy's kernels where it packs
+  any, as our decoder has them: a like-for-like AR), and our ReFusion decoder: one process, the prompts in static
   left-padded batches of `concurrency` (a batch is what these decoders serve at once).
 Tokens/s count every answer token over the wall time of all prompts. Per request: latency (request to last token),
 time to first token and time per output token after the first (vLLM, from the stream; for a static batch every
-request of a batch gets its answer at the end, so its latency is the batch's time). Every decoder runs in `--dtype`
+request of a batch gets its answer at the end, so its latency is the batch's time). Before each concurrency the
+transformers-side decoders run one short batch of it, untimed in the tokens/s and reported as "warm-up batch s":
+one-off work such as a priced decode measuring its forwards' prices at that batch size. Every decoder runs in `--dtype`
 (default: the dtype policy, `recipe.model.decoding_dtype`), our decoder with the policy's kernels
 (`recipe.model.prepare_for_decoding`). Writes `serving.json`, `serving.md` and `serving.png`
 into `--output_dir`, which has no default: a run elsewhere names its own folder rather than overwriting the
@@ -115,9 +118,13 @@ def static_batch_rows(model, tokenizer, prompts: list[str], max_tokens: int, con
         for p in prompts
     ]
     prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    decode(model, tokenizer, prompt_ids[:1], 4, **kwargs)  # warm-up
     rows = []
     for batch_size in concurrency:
+        # A short warm-up batch of this size, outside the timing: one-off work (a priced decode measures what its
+        # forwards cost at each batch size, once, then keeps the table) is reported apart.
+        warm_up = time.perf_counter()
+        decode(model, tokenizer, prompt_ids[:batch_size], 4, batch_size, **kwargs)
+        warm_up = time.perf_counter() - warm_up
         results = []
         for start in range(0, len(prompt_ids), batch_size):
             run = decode(model, tokenizer, prompt_ids[start : start + batch_size], max_tokens, batch_size, **kwargs)
@@ -127,6 +134,7 @@ def static_batch_rows(model, tokenizer, prompts: list[str], max_tokens: int, con
         seconds = sum(result["latency"] for result in results[::batch_size])
         row = summary(batch_size, results, seconds)
         row["ttft_s"], row["tpot_ms"] = None, None  # not streamed: the whole batch's answers come at once
+        row["warm_up_s"] = warm_up
         rows.append(row)
     return rows
 
@@ -136,8 +144,8 @@ def markdown(results: dict) -> str:
         f"{results['setup']}",
         "",
         "| decoder | concurrent requests | tokens/s | vs fastest AR | mean latency s | time to first token s "
-        "| ms per output token | acceptance rate | mean accepted length |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ms per output token | acceptance rate | mean accepted length | warm-up batch s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, rows in results["decoders"].items():
         for row in rows:
@@ -151,7 +159,8 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {name} | {row['concurrency']} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / fastest:.2f}x "
                 f"| {row['latency_s']:.2f} | {cell(row.get('ttft_s'))} | {cell(row.get('tpot_ms'), '.1f')} "
-                f"| {cell(row.get('acceptance_rate'))} | {cell(row.get('mean_accepted_length'))} |"
+                f"| {cell(row.get('acceptance_rate'))} | {cell(row.get('mean_accepted_length'))} "
+                f"| {cell(row.get('warm_up_s'), '.1f')} |"
             )
     for name, equal in results["answers_equal_to_vllm_ar"].items():
         lines.append(f"\n{name}: answers equal to vLLM AR's at concurrency 1: {equal}.")
@@ -222,6 +231,10 @@ def main() -> None:
     decoders[f"transformers generate() AR ({in_dtype})"] = static_batch_rows(
         native, tokenizer, prompts, args.max_new_tokens, args.concurrency, autoregressive=True
     )
+    if prepare_for_decoding(native):  # the same kernels as our decoder's, where the policy packs any: a fair AR
+        decoders[f"transformers generate() AR ({in_dtype}, the policy's kernels)"] = static_batch_rows(
+            native, tokenizer, prompts, args.max_new_tokens, args.concurrency, autoregressive=True
+        )
     del native
     refusion, _ = load_refusion()  # the same weights in our class: this package's decoder as it is now
     prepare_for_decoding(refusion.to(dtype))  # the decoding policy's kernels
