@@ -118,6 +118,10 @@ CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that p
 PRICE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 PRICE_LINEAR = 0.9
 PRICE_SECONDS = 4.0
+# A kept table is measured again when a decode over the cache it was measured on ran a forward of one of its widths in
+# less than this share of its price (a forward with its scoring costs no less than the forward alone, so the table was
+# measured while the machine was busy, or in a state decodes are not in).
+PRICE_STALE = 0.75
 PRICE_CACHE_VARIABLE = "REFUSION_PRICE_CACHE"
 # Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
 CONTEXT_FREE = (
@@ -733,9 +737,12 @@ class ForwardPrices:
     one (it could run padded to it), which also bounds a measurement's noise. With the width `buckets` of compiled
     forwards, widths are first padded to their bucket, as the forward runs."""
 
-    def __init__(self, table: dict[int, float], buckets: tuple[int, ...] | None = None):
+    def __init__(self, table: dict[int, float], buckets: tuple[int, ...] | None = None, key: str | None = None):
         self.table, self.buckets = check_forward_prices(table), buckets
+        self.measured = dict(self.table)  # before the narrower widths are capped below
         self.widths = list(self.table)
+        self.key = key  # the `price_key` of a measured table (None: the caller's), and its widths' fastest forwards
+        self.seen: dict[int, float] = {}  # in a decode over the cache it was measured on (`observe`)
         for narrower, wider in zip(reversed(self.widths[:-1]), reversed(self.widths[1:])):
             self.table[narrower] = min(self.table[narrower], self.table[wider])
 
@@ -749,6 +756,18 @@ class ForwardPrices:
         above = next(index for index, known in enumerate(widths) if known >= width)
         low, high = widths[above - 1], widths[above]
         return table[low] + (table[high] - table[low]) * (width - low) / (high - low)
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A decode's forward of `width` (as run: padded) took `seconds`, its scoring and the host's read included."""
+        if width in self.measured:
+            self.seen[width] = min(seconds, self.seen.get(width, math.inf))
+
+    def stale(self) -> tuple[int, float] | None:
+        """A width whose forwards ran in less than `PRICE_STALE` of its measured price, and the fastest of them."""
+        return next(
+            ((width, seconds) for width, seconds in self.seen.items() if seconds < PRICE_STALE * self.measured[width]),
+            None,
+        )
 
 
 def upload(values: list[int], device) -> torch.Tensor:
@@ -1889,6 +1908,8 @@ def execute(
     requests = [decoder.request() for decoder in decoders]
     layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
     layout = layout_type(cache, len(decoders), device)
+    # A measured price table learns what forwards over the kind of cache it was measured on took (`observe`).
+    prices = decoders[0].prices if isinstance(cache, SlotCache) and decoders[0].prices is not None else None
     empty = torch.zeros(0, dtype=torch.long, device=device)
     forwards = 0
     while live := [row for row, request in enumerate(requests) if request is not None]:
@@ -1907,6 +1928,7 @@ def execute(
         }  # fmt: skip
         mask = batch_mask(layout, batch, sizes, model.dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
+        started = time.perf_counter()
         logits = run_model(model, compiled, batch, mask, cache, num_logits)
         forwards += 1
         scores = [
@@ -1915,6 +1937,8 @@ def execute(
         ]
         read = [score for score in scores if score is not None and score.shape[0]]
         values = torch.cat(read).tolist() if read else []  # the step's one wait for the device
+        if prices is not None and read and num_logits == width:  # as measured: every new token scored
+            prices.observe(width, time.perf_counter() - started)
         kept, start = [], 0
         for row, request, score in zip(rows, batch_requests, scores):
             if request is None:
@@ -2095,22 +2119,43 @@ def measured_prices(
     if known is None:
         known = model._refusion_prices = {}
     if key not in known:
-        path = price_file()
-        stored = read_price_file(path).get(key)
         try:
-            known[key] = check_forward_prices(stored)
+            known[key] = check_forward_prices(read_price_file(price_file()).get(key))
         except ValueError:  # not kept, or damaged
             known[key] = measure_forward_prices(model, cache, compiled, buckets=buckets, prompt_width=prompt_width)
-            if path is not None:
-                try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-                    partial.write_text(json.dumps({**read_price_file(path), key: known[key]}, indent=1))
-                    os.replace(partial, path)
-                except OSError as error:
-                    logger.warning(f"Measured forward prices could not be kept in {path} ({error}); set "
-                                   f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
-    return ForwardPrices(known[key], buckets)
+            keep_prices(key, known[key])
+    return ForwardPrices(known[key], buckets, key)
+
+
+def keep_prices(key: str, table: dict[int, float] | None) -> None:
+    """Write `table` as the one kept for `key` in `price_file()` (None: drop it), warning where it cannot be."""
+    path = price_file()
+    if path is None:
+        return
+    tables = {name: kept for name, kept in read_price_file(path).items() if name != key}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(tables if table is None else {**tables, key: table}, indent=1))
+        os.replace(partial, path)
+    except OSError as error:
+        logger.warning(f"Measured forward prices could not be kept in {path} ({error}); set "
+                       f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
+
+
+def forget_stale_prices(model, prices: ForwardPrices | None) -> None:
+    """Drop a measured table that the decode found stale (`ForwardPrices.stale`) from the model and the price file,
+    so that the next decode measures it again."""
+    stale = prices.stale() if prices is not None and prices.key is not None else None
+    if stale is None:
+        return
+    width, seconds = stale
+    logger.warning(
+        f"Forward prices will be measured again: forwards of {width} new tokens took {seconds:.4g} s in this decode, "
+        f"against {prices.measured[width]:.4g} s when measured (the machine was busy then, or in another state)."
+    )
+    model._refusion_prices.pop(prices.key, None)
+    keep_prices(prices.key, None)
 
 
 def refusion_generate(
@@ -2191,6 +2236,7 @@ def refusion_generate(
             forwards = execute(model, decoders, cache, compiled, buckets)
         else:
             forwards = sum(execute(model, [decoder], None) for decoder in decoders)
+        forget_stale_prices(model, prices)
     if streamer is not None:
         decoders[0].watcher.end()
     ends = [decoder.answer_length() for decoder in decoders]

@@ -286,6 +286,60 @@ def test_a_decode_measures_its_prices_after_a_forward_as_wide_as_its_prompt(monk
     assert measured == [ids.shape[1]]
 
 
+def test_a_table_learns_its_widths_fastest_forwards_and_finds_itself_stale_below_the_line():
+    prices = ForwardPrices({1: 1.0, 4: 2.0}, key="a kept table")
+    prices.observe(2, 0.01)  # not a measured width: nothing to compare with
+    prices.observe(1, 0.9)
+    prices.observe(4, 1.6)
+    assert prices.seen == {1: 0.9, 4: 1.6} and prices.stale() is None  # 0.8 of the price: not below 0.75
+    prices.observe(4, 1.4)
+    assert prices.stale() == (4, 1.4)
+
+
+def inflate_kept_table(path, factor: float) -> str:
+    (key, table), *others = json.loads(path.read_text()).items()
+    assert not others
+    path.write_text(json.dumps({key: {width: price * factor for width, price in table.items()}}))
+    return key
+
+
+def test_a_kept_table_that_decodes_beat_is_measured_again(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "prices.json"
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
+    model = sharpened_model("llama", scale=4.0)
+    first = model.generate(PROMPT, **settings)
+    key = inflate_kept_table(path, 1000.0)  # as if measured while the machine was very busy
+    fresh = sharpened_model("llama", scale=4.0)
+    again = fresh.generate(PROMPT, **settings)
+    assert torch.equal(first.sequences, again.sequences)  # the same decisions: every width dearer alike
+    assert "measured again" in caplog.text
+    assert key not in json.loads(path.read_text()) and key not in fresh._refusion_prices
+    measured = []
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or {1: 1e-9})
+    fresh.generate(PROMPT, **settings)
+    assert measured == [1] and json.loads(path.read_text())[key] == {"1": 1e-9}
+
+
+@pytest.mark.parametrize("case", ["cheaper than measured", "over another kind of cache", "the caller's"])
+def test_a_table_stays_where_no_decode_over_its_cache_beat_it(tmp_path, monkeypatch, caplog, case):
+    path = tmp_path / "prices.json"
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
+    model = sharpened_model("qwen2", scale=4.0)
+    model.generate(PROMPT, **settings)
+    inflate_kept_table(path, 1e-6 if case == "cheaper than measured" else 1000.0)
+    if case == "over another kind of cache":  # the same key: measured over a static cache like the dynamic one
+        settings["cache_implementation"] = "dynamic"
+    fresh = sharpened_model("qwen2", scale=4.0)
+    if case == "the caller's":
+        settings["forward_prices"] = {1: 1000.0, 64: 1000.0}
+    kept = path.read_text()
+    fresh.generate(PROMPT, **settings)
+    assert "measured again" not in caplog.text
+    assert path.read_text() == kept
+
+
 def test_a_damaged_file_is_measured_again_and_an_empty_name_keeps_nothing(tmp_path, monkeypatch):
     path = tmp_path / "prices.json"
     path.write_text("{not json")
