@@ -296,11 +296,19 @@ def test_a_table_learns_its_widths_fastest_forwards_and_finds_itself_stale_below
     assert prices.stale() == (4, 1.4)
 
 
-def inflate_kept_table(path, factor: float) -> str:
-    (key, table), *others = json.loads(path.read_text()).items()
-    assert not others
+CHEAP = {1: 1e-9, 2: 1.5e-9, 64: 8e-9}  # below any forward: a table no decode beats
+
+
+def kept_table(model, settings: dict, path, monkeypatch, factor: float = 1.0):
+    """Decode once with `CHEAP` as the measured table, then keep it in `path` scaled by `factor`; its key, and the
+    decode's output. (A real measurement of a tiny model on a busy machine may itself be beaten at once.)"""
+    with monkeypatch.context() as patch:
+        patch.setattr(generation_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(CHEAP))
+        output = model.generate(PROMPT, **settings)
+    ((key, table),) = json.loads(path.read_text()).items()
     path.write_text(json.dumps({key: {width: price * factor for width, price in table.items()}}))
-    return key
+    model._refusion_prices.clear()
+    return key, output
 
 
 def test_a_kept_table_that_decodes_beat_is_measured_again(tmp_path, monkeypatch, caplog):
@@ -308,17 +316,15 @@ def test_a_kept_table_that_decodes_beat_is_measured_again(tmp_path, monkeypatch,
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
     settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
     model = sharpened_model("llama", scale=4.0)
-    first = model.generate(PROMPT, **settings)
-    key = inflate_kept_table(path, 1000.0)  # as if measured while the machine was very busy
-    fresh = sharpened_model("llama", scale=4.0)
-    again = fresh.generate(PROMPT, **settings)
+    key, first = kept_table(model, settings, path, monkeypatch, factor=1e12)  # as if measured on a very busy machine
+    again = model.generate(PROMPT, **settings)
     assert torch.equal(first.sequences, again.sequences)  # the same decisions: every width dearer alike
     assert "measured again" in caplog.text
-    assert key not in json.loads(path.read_text()) and key not in fresh._refusion_prices
+    assert key not in json.loads(path.read_text()) and key not in model._refusion_prices
     measured = []
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or {1: 1e-9})
-    fresh.generate(PROMPT, **settings)
-    assert measured == [1] and json.loads(path.read_text())[key] == {"1": 1e-9}
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
+    model.generate(PROMPT, **settings)
+    assert measured == [1] and json.loads(path.read_text())[key] == {str(width): p for width, p in CHEAP.items()}
 
 
 @pytest.mark.parametrize("case", ["cheaper than measured", "over another kind of cache", "the caller's"])
@@ -327,15 +333,13 @@ def test_a_table_stays_where_no_decode_over_its_cache_beat_it(tmp_path, monkeypa
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
     settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
     model = sharpened_model("qwen2", scale=4.0)
-    model.generate(PROMPT, **settings)
-    inflate_kept_table(path, 1e-6 if case == "cheaper than measured" else 1000.0)
+    kept_table(model, settings, path, monkeypatch, factor=1.0 if case == "cheaper than measured" else 1e12)
     if case == "over another kind of cache":  # the same key: measured over a static cache like the dynamic one
         settings["cache_implementation"] = "dynamic"
-    fresh = sharpened_model("qwen2", scale=4.0)
     if case == "the caller's":
         settings["forward_prices"] = {1: 1000.0, 64: 1000.0}
     kept = path.read_text()
-    fresh.generate(PROMPT, **settings)
+    model.generate(PROMPT, **settings)
     assert "measured again" not in caplog.text
     assert path.read_text() == kept
 
