@@ -113,7 +113,7 @@ CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that p
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
 # empty: keep none). Measuring stops at the first width that costs `PRICE_LINEAR` times its width in one-query
-# forwards (no economy of width left: wider forwards are prorated), and a width takes fewer repeats once measuring
+# forwards (no economy of width left: wider forwards are prorated), and a width takes a single forward once measuring
 # has spent `PRICE_SECONDS`: a batch of 32 on a CPU would otherwise spend as long pricing its forwards as decoding.
 PRICE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 PRICE_LINEAR = 0.9
@@ -741,8 +741,8 @@ class ForwardPrices:
         self.table, self.buckets = check_forward_prices(table), buckets
         self.measured = dict(self.table)  # before the narrower widths are capped below
         self.widths = list(self.table)
-        self.key = key  # the `price_key` of a measured table (None: the caller's), and its widths' fastest forwards
-        self.seen: dict[int, float] = {}  # in a decode over the cache it was measured on (`observe`)
+        self.key = key  # the `price_key` of a measured table; None for the caller's
+        self.seen: dict[int, float] = {}  # each measured width's fastest forward in a decode (`observe`)
         for narrower, wider in zip(reversed(self.widths[:-1]), reversed(self.widths[1:])):
             self.table[narrower] = min(self.table[narrower], self.table[wider])
 
@@ -1908,8 +1908,9 @@ def execute(
     requests = [decoder.request() for decoder in decoders]
     layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
     layout = layout_type(cache, len(decoders), device)
-    # A measured price table learns what forwards over the kind of cache it was measured on took (`observe`).
-    prices = decoders[0].prices if isinstance(cache, SlotCache) and decoders[0].prices is not None else None
+    # A measured price table (not the caller's) learns what forwards over the kind of cache it was measured on took.
+    prices = decoders[0].prices if isinstance(cache, SlotCache) else None
+    prices = prices if prices is not None and prices.key is not None else None
     empty = torch.zeros(0, dtype=torch.long, device=device)
     forwards = 0
     while live := [row for row, request in enumerate(requests) if request is not None]:
@@ -2146,7 +2147,7 @@ def keep_prices(key: str, table: dict[int, float] | None) -> None:
 def forget_stale_prices(model, prices: ForwardPrices | None) -> None:
     """Drop a measured table that the decode found stale (`ForwardPrices.stale`) from the model and the price file,
     so that the next decode measures it again."""
-    stale = prices.stale() if prices is not None and prices.key is not None else None
+    stale = prices.stale() if prices is not None else None
     if stale is None:
         return
     width, seconds = stale
