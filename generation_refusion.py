@@ -63,7 +63,6 @@ from transformers import (
 from transformers import __version__ as transformers_version
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.generation import logits_process as lp
-from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput, logging
 
 logger = logging.get_logger(__name__)
@@ -109,6 +108,12 @@ CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=
 WIDTH_BUCKETS = (8, 16, 32, 64)
 NARROW_BUCKETS = (1, 2, 4)
 RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cache lengths x batch sizes
+# With the weights frozen into the graphs, a compiled forward of up to this many new tokens ends with the output layer
+# (over all of them), whose weight inductor then packs for its own GEMM kernels: in bfloat16 on an AVX2 CPU, which has
+# no packed eager kernel for it, SmolLM2's output layer cost 3.8 / 4.0 / 5.6 / 10.3 ms over 1 / 2 / 4 / 8 rows in a
+# frozen graph against 5.0 / 8.0 / 15.4 / 30.5 eagerly (float32: 4.5 / 5.0 / 5.7 / 7.2 against 5.3 / 5.5 / 7.4 / 7.8
+# prepacked). Wider forwards (a prompt) keep it eager over the tokens whose logits are used (`run_model`).
+LOGITS_IN_GRAPH_WIDTH = 8
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
@@ -1702,18 +1707,21 @@ def batch_mask(layout: CacheLayout | StaticLayout, batch: dict, sizes: list[int]
 
 
 def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.PathLike | None = None):
-    """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model
-    and config: its graphs (one per width bucket, cache length and batch size) are reused by later `generate()`
-    calls. They may number more than dynamo's default limit of graphs per function (8; past it a `fullgraph` compile
-    fails), so the calls raise that limit to `RECOMPILE_LIMIT` while they run. The function compiled is this file's
-    own (dynamo counts graphs per function: compiling `module.__call__` would share the count with every other
-    compiled module, such as a compiled AR's).
+    """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model and
+    config, called as the backbone is and returning the last hidden states of its new tokens, or their logits where the
+    new tokens number no more than its `logits_width` (see below; `run_model` reads it). Its graphs (one per width
+    bucket, cache length and batch size) are reused by later `generate()` calls. They may number more than dynamo's
+    default limit of graphs per function (8; past it a `fullgraph` compile fails), so the calls raise that limit to
+    `RECOMPILE_LIMIT` while they run. The function compiled is this file's own (dynamo counts graphs per function:
+    compiling `module.__call__` would share the count with every other compiled module, such as a compiled AR's).
 
     With inductor's weight freezing (`"freezing": True` among `compile_config.options`, which here may go with a
     `mode`, or `torch._inductor.config.freezing = True`), the weights become constants of the graphs, packed for the
     machine's GEMM kernels. Dynamo reads that switch while it traces, where torch.compile's options do not reach, so
     the calls set it themselves. Graphs then hold the weights of the moment they were compiled: when a weight has
-    changed since (in place or replaced), a fresh backbone compiles again, so a decode never runs old weights.
+    changed since (in place or replaced), a fresh backbone compiles again, so a decode never runs old weights. Then
+    the graphs of up to `LOGITS_IN_GRAPH_WIDTH` new tokens also run the output layer (its `logits_width`; 0 without
+    freezing, where a graph would multiply by the same unpacked weight as an eager call, over a whole bucket).
 
     With `saved_in` (a folder: `generate(compile_cache_dir=...)`) the forwards are compiled ahead of time instead and
     kept there (`SavedForwards`), so that a later process loads them rather than compiling; they hold the weights
@@ -1728,15 +1736,18 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
         else:
             arguments = compile_config.to_dict()
             options = {key: value for key, value in (arguments.pop("options") or {}).items() if key != "freezing"}
-            compiled_function = torch.compile(
-                decoder_function(model.get_decoder()), **arguments, options=options or None
-            )
             freezing = weights is not None
+            logits_width = LOGITS_IN_GRAPH_WIDTH if freezing else 0
+            compiled_function = torch.compile(
+                decoder_function(model, logits_width), **arguments, options=options or None
+            )
 
             def backbone(**inputs):
                 limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
                 with torch._dynamo.config.patch(recompile_limit=limit), torch._inductor.config.patch(freezing=freezing):
                     return compiled_function(inputs)
+
+            backbone.logits_width = logits_width
 
         compiled = (copy.deepcopy(compile_config), weights, saved, id(model.get_decoder()), backbone)
         model._refusion_compiled = compiled
@@ -1765,6 +1776,7 @@ class SavedForwards:
         self.inductor_configs = {**mode_options, **(compile_config.options or {})}
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
+        self.logits_width = LOGITS_IN_GRAPH_WIDTH if freezes_weights(compile_config) else 0
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
         inputs = (
@@ -1774,7 +1786,7 @@ class SavedForwards:
         shape = (*input_ids.shape, cache.max_cache_len)
         if shape not in self.runners:
             self.runners[shape] = self.load_or_compile(shape, inputs, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.runners[shape](*inputs))
+        return self.runners[shape](*inputs)
 
     def __deepcopy__(self, memo):
         return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
@@ -1792,7 +1804,8 @@ class SavedForwards:
             except Exception as error:  # any failure to load means: compile it again
                 logger.warning(f"The saved forward {path} did not load ({type(error).__name__}: {error}); compiling it "
                                "again.")  # fmt: skip
-        exported = torch.export.export(ExportedBackbone(self.model.get_decoder(), cache), inputs, strict=False)
+        head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
+        exported = torch.export.export(ExportedBackbone(self.model.get_decoder(), cache, head), inputs, strict=False)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         try:
@@ -1807,11 +1820,12 @@ class SavedForwards:
 
 class ExportedBackbone(torch.nn.Module):
     """The backbone as `torch.export` takes it: the cache's key/value tensors and write columns are inputs (written in
-    place), so a package serves any cache of the same shape."""
+    place), so a package serves any cache of the same shape. Returns the last hidden states, or with a `head` (the
+    output layer) the logits."""
 
-    def __init__(self, decoder, cache: "SlotCache"):
+    def __init__(self, decoder, cache: "SlotCache", head=None):
         super().__init__()
-        self.decoder, self.cache = decoder, cache
+        self.decoder, self.cache, self.head = decoder, cache, head
 
     def forward(self, input_ids, position_ids, attention_mask, columns, keys, values):
         cache = copy.copy(self.cache)  # the same cache over the inputs' tensors
@@ -1822,7 +1836,7 @@ class ExportedBackbone(torch.nn.Module):
         output = self.decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         )
-        return output.last_hidden_state
+        return output.last_hidden_state if self.head is None else self.head(output.last_hidden_state)
 
 
 def saved_forward_key(model, compile_config: CompileConfig) -> str:
@@ -1843,12 +1857,15 @@ def saved_forward_key(model, compile_config: CompileConfig) -> str:
     ])  # fmt: skip
 
 
-def decoder_function(decoder):
-    """`decoder(**inputs)` as a function with a code object of its own: dynamo keeps compiled graphs per code
-    object, so a new one starts with none (graphs with frozen weights of an earlier compile are not reused)."""
+def decoder_function(model, logits_width: int):
+    """The model's backbone as a function of its inputs with a code object of its own (dynamo keeps compiled graphs
+    per code object, so a new one starts with none: graphs with frozen weights of an earlier compile are not reused),
+    returning the last hidden states, or the logits where the new tokens number at most `logits_width`."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
 
     def backbone(inputs: dict):
-        return decoder(**inputs)
+        hidden = decoder(**inputs).last_hidden_state
+        return head(hidden) if hidden.shape[1] <= logits_width else hidden
 
     code = backbone.__code__.replace(co_name=f"refusion_backbone_{id(decoder):x}")
     return type(backbone)(code, backbone.__globals__, code.co_name, None, backbone.__closure__)
@@ -1886,14 +1903,18 @@ def pad_width(width: int, buckets: tuple[int, ...] | None) -> int:
 
 
 def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
-    """The logits of each row's last `num_logits` tokens: through the `compiled` backbone, then the output layer over
-    those tokens only (eagerly, so that prepacked weights serve it: on an AMX CPU the output layer inside the compiled
-    graph made decoding 5% slower; over a whole bucket of 64 it cost SmolLM2 230 ms of a 590 ms prompt forward on an
-    AVX2 CPU), when the batch's width is a bucket; else through the model eagerly."""
+    """The logits of each row's last `num_logits` tokens: when the batch's width is a bucket, through the `compiled`
+    backbone, whose graphs up to its `logits_width` end with the output layer (frozen weights), and otherwise the
+    output layer over those tokens only, eagerly (prepacked weights serve it there; over a whole bucket of 64 inside
+    a graph it cost SmolLM2 230 ms of a 590 ms prompt forward on an AVX2 CPU, and on an AMX CPU, before graphs froze
+    weights, the output layer in the graph made decoding 5% slower); else through the model eagerly."""
     inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
-    if compiled is not None and batch["ids"].shape[1] <= WIDTH_BUCKETS[-1]:  # a bucket (`pad_width`)
-        hidden = compiled(**inputs, use_cache=True).last_hidden_state
-        return model.get_output_embeddings()(hidden[:, -num_logits:])
+    width = batch["ids"].shape[1]
+    if compiled is not None and width <= WIDTH_BUCKETS[-1]:  # a bucket (`pad_width`)
+        output = compiled(**inputs, use_cache=True)
+        if width <= compiled.logits_width:
+            return output[:, -num_logits:]
+        return model.get_output_embeddings()(output[:, -num_logits:])
     return model(**inputs, use_cache=cache is not None, logits_to_keep=num_logits).logits
 
 

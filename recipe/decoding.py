@@ -378,7 +378,7 @@ def decode_static_ar(
     static cache write fails under freezing), so frozen ReFusion has a like-for-like reference.
 
     The prompt runs eagerly, then each step feeds the last token as one query at the next cache column and RoPE
-    position, the output layer eager as in ReFusion's forwards (`run_model`), and reads the argmax (the one wait per
+    position, the output layer as in ReFusion's forwards (`run_model`), and reads the argmax (the one wait per
     token, for the stop check that `generate()` makes too). The cache holds `max_cache_len` columns (default: the
     longest prompt plus `max_new_tokens`, rounded up by the decoder); a compiled step has one graph per cache length.
     Forwards are counted as for every AR decode, one per generated position; they are not timed apart."""
@@ -411,11 +411,12 @@ def decode_static_ar(
                 break
             cache.columns = columns[None, length : length + 1]
             mask = causal[:, :, length : length + 1]
-            inputs = dict(input_ids=token, position_ids=cache.columns, attention_mask=mask, cache=cache, use_cache=True)
             if compiled is None:
-                logits = model(**inputs, logits_to_keep=1).logits
+                logits = model(input_ids=token, position_ids=cache.columns, attention_mask=mask, cache=cache,
+                               use_cache=True, logits_to_keep=1).logits  # fmt: skip
             else:
-                logits = model.get_output_embeddings()(compiled(**inputs).last_hidden_state)
+                step = dict(ids=token, positions=cache.columns)
+                logits = generation_refusion.run_model(model, compiled, step, mask, cache, 1)
             length += 1
         synchronize(model.device)
         seconds += time.perf_counter() - begin

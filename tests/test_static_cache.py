@@ -10,16 +10,21 @@ from transformers import CompileConfig, DynamicCache, GenerationConfig
 
 import generation_refusion
 from generation_refusion import (
+    LOGITS_IN_GRAPH_WIDTH,
     NARROW_BUCKETS,
+    NO_GROUP,
     WIDTH_BUCKETS,
     SlotCache,
     SlotDecoder,
+    StaticLayout,
     attention_mask,
+    batch_mask,
     compile_config_for,
     compile_forwards,
     execute,
     pad_width,
     resolve_settings,
+    run_model,
     slot_cache,
     static_cache_columns,
     width_buckets,
@@ -238,6 +243,47 @@ def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a
     assert torch.equal(model.generate(PROMPT, **settings), restored)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # compiled again with the new weights
     assert generation_refusion.frozen_weights(model, frozen) == model._refusion_compiled[1]
+
+
+def causal_forward(model, compiled, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `compiled` returns for `width` new causal tokens after a 6-token past over a fresh static cache, and the
+    logits `run_model` makes of them."""
+    cache = SlotCache(model, 1, 128)
+    layout = StaticLayout(cache, 1, model.device)
+    ids = torch.arange(3, 3 + 6 + width)[None] % model.config.get_text_config(decoder=True).vocab_size
+    outputs = []
+    for run_with, span in ((None, slice(0, 6)), (compiled, slice(6, 6 + width))):
+        ranks = torch.arange(span.start, span.stop)[None]
+        batch = dict(ids=ids[:, span], positions=ranks, ranks=ranks, prefixes=ranks, groups=torch.zeros_like(ranks),
+                     parents=torch.full_like(ranks, NO_GROUP))  # fmt: skip
+        mask = batch_mask(layout, batch, [ranks.shape[1]], model.dtype)
+        outputs.append(run_model(model, run_with, batch, mask, cache, ranks.shape[1]))
+        layout.keep(batch, [ranks.shape[1]], [ranks.shape[1]])
+    inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
+    layout.pointers = [6]  # the same forward again, straight through the compiled backbone
+    mask = batch_mask(layout, batch, [width], model.dtype)
+    return compiled(**{**inputs, "attention_mask": mask}, use_cache=True), outputs[1]
+
+
+def test_frozen_graphs_of_narrow_widths_end_with_the_output_layer():
+    """With frozen weights a compiled forward of up to `LOGITS_IN_GRAPH_WIDTH` new tokens returns their logits (the
+    output layer inside the graph, where inductor packs its weight), a wider one hidden states for the eager output
+    layer; unfrozen graphs always return hidden states. `run_model` gives the eager logits either way."""
+    model = sharpened_model("qwen2", scale=4.0)
+    frozen = CompileConfig(fullgraph=True, dynamic=False, mode="default", options={"freezing": True})
+    frozen._compile_all_devices = True
+    text = model.config.get_text_config(decoder=True)
+    vocab, hidden = text.vocab_size, text.hidden_size
+    assert vocab != hidden
+    for config, logits_width in ((frozen, LOGITS_IN_GRAPH_WIDTH), (compile_config(), 0)):
+        model.__dict__.pop("_refusion_compiled", None)
+        compiled = generation_refusion.compiled_backbone(model, config)
+        assert compiled.logits_width == logits_width
+        for width in (NARROW_BUCKETS[-1], WIDTH_BUCKETS[1]):
+            output, logits = causal_forward(model, compiled, width)
+            assert output.shape[-1] == (vocab if width <= logits_width else hidden)
+            eager = model(input_ids=(torch.arange(3, 3 + 6 + width)[None] % vocab)).logits[:, -width:]
+            torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_without_freezing_a_weight_change_reuses_the_compiled_graphs():
