@@ -127,7 +127,7 @@ def main() -> None:
     decoders = {"compiled AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings)}
     if "compiled" in args.refusion:
         static_ar = copy.deepcopy(base).to(args.device, dtype)
-        prepare_for_decoding(static_ar)  # its output layer runs eagerly, as ReFusion's does
+        prepare_for_decoding(static_ar)  # its eager forwards (the prompt) use the kernels, as ReFusion's do
         static_settings = dict(compile_config=compiled_refusion(args.device, mode, args.freeze)["compile_config"],
                                max_cache_len=static_cache_length(prompts, args.max_new_tokens),
                                compile_cache_dir=args.compile_cache_dir)  # fmt: skip
