@@ -1736,8 +1736,7 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
         else:
             arguments = compile_config.to_dict()
             options = {key: value for key, value in (arguments.pop("options") or {}).items() if key != "freezing"}
-            freezing = weights is not None
-            logits_width = LOGITS_IN_GRAPH_WIDTH if freezing else 0
+            freezing, logits_width = weights is not None, graph_logits_width(compile_config)
             compiled_function = torch.compile(
                 decoder_function(model, logits_width), **arguments, options=options or None
             )
@@ -1776,7 +1775,7 @@ class SavedForwards:
         self.inductor_configs = {**mode_options, **(compile_config.options or {})}
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
-        self.logits_width = LOGITS_IN_GRAPH_WIDTH if freezes_weights(compile_config) else 0
+        self.logits_width = graph_logits_width(compile_config)
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
         inputs = (
@@ -1886,6 +1885,12 @@ def frozen_weights(model, compile_config: CompileConfig, held: bool = False) -> 
 def freezes_weights(compile_config: CompileConfig) -> bool:
     """Whether inductor compiles under `compile_config` with the weights frozen into the graphs."""
     return bool((compile_config.options or {}).get("freezing", torch._inductor.config.freezing))
+
+
+def graph_logits_width(compile_config: CompileConfig) -> int:
+    """Up to how many new tokens a compiled forward under `compile_config` ends with the output layer: with frozen
+    weights `LOGITS_IN_GRAPH_WIDTH` (inductor packs the output layer's weight there), else 0 (see `run_model`)."""
+    return LOGITS_IN_GRAPH_WIDTH if freezes_weights(compile_config) else 0
 
 
 def width_buckets(draft_schedule: str) -> tuple[int, ...]:
