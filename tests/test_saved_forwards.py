@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_batching import PROMPTS, left_padded
 from test_generation import PROMPT, sharpened_model
+from test_static_cache import causal_forward
 from transformers import CompileConfig
 
 from generation_refusion import SavedForwards, compiled_backbone
@@ -117,3 +118,36 @@ def test_a_deep_copy_of_the_model_gets_a_backbone_of_its_own(tmp_path, saved):
     assert backbone is not original and compiled_backbone(model, compile_config(), folder) is original
     if saved:
         assert backbone.model is twin
+
+
+def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_it_has_kernels(
+    tmp_path, monkeypatch, caplog
+):
+    """On a CPU, autotuned packages with frozen weights compile with inductor's C++ GEMM template as the only backend
+    (AOTInductor free to choose took ATen's unpacked products for narrow forwards); where the template has no kernel
+    (float64) they compile again, with a warning, with the config's backends. Either way: the eager logits. Named
+    backends, or no autotuning, compile once as configured."""
+    backends, compile_package = [], torch._inductor.aoti_compile_and_package
+
+    def recorded(exported, package_path, inductor_configs):
+        backends.append(inductor_configs.get("max_autotune_gemm_backends"))
+        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
+    autotuned = compile_config(freezing=True, max_autotune=True)
+    for dtype, attempts in ((torch.float32, ["CPP"]), (torch.float64, ["CPP", None])):
+        model = sharpened_model("qwen2", scale=4.0).to(dtype)
+        backends.clear()
+        output, logits = causal_forward(model, SavedForwards(model, autotuned, tmp_path / str(dtype)), 2)
+        eager = model(input_ids=torch.arange(3, 3 + 6 + 2)[None]).logits[:, -2:]
+        torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+        assert backends == attempts
+    assert caplog.text.count("C++ GEMM template alone failed") == 1
+
+    model = sharpened_model("qwen2", scale=4.0).float()
+    for config in (compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="ATEN,CPP"),
+                   compile_config(freezing=True), compile_config(max_autotune=True)):  # fmt: skip
+        attempts = SavedForwards(model, config, tmp_path).attempts
+        assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [
+            config.options.get("max_autotune_gemm_backends")
+        ]
