@@ -1779,15 +1779,12 @@ class SavedForwards:
             )
         mode_options = torch._inductor.list_mode_options(compile_config.mode or "default")
         mode_options.pop("triton.cudagraphs", None)
-        self.inductor_configs = {**mode_options, **(compile_config.options or {})}
-        autotuned = self.inductor_configs.get("max_autotune") or self.inductor_configs.get("max_autotune_gemm")
-        templates_only = (
-            model.device.type == "cpu" and autotuned and freezes_weights(compile_config)
-            and "max_autotune_gemm_backends" not in self.inductor_configs
-        )  # fmt: skip
-        self.attempts = [self.inductor_configs]
-        if templates_only:
-            self.attempts.insert(0, {**self.inductor_configs, "max_autotune_gemm_backends": "CPP"})
+        configs = {**mode_options, **(compile_config.options or {})}
+        self.attempts = [configs]  # the inductor configs to compile a package with, in turn until one compiles
+        autotuned = configs.get("max_autotune") or configs.get("max_autotune_gemm")
+        if model.device.type == "cpu" and autotuned and freezes_weights(compile_config) \
+                and "max_autotune_gemm_backends" not in configs:  # fmt: skip
+            self.attempts.insert(0, {**configs, "max_autotune_gemm_backends": "CPP"})
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
