@@ -27,6 +27,14 @@ ranges over three runs on the AVX-512 machine; the AVX2 figures are an earlier p
 A oneDNN call costs 15-30 us more than an `F.linear` one, which its float32 AVX-512 kernels repay only from about
 four rows.
 
+Where oneDNN has no bfloat16 kernels (AVX2), a bfloat16 weight is packed as float32 and each input converted to it
+(`compute_dtype`). SmolLM2's whole bfloat16 forward over 120 cached tokens on the AVX2 CPU (ms, fastest of 7):
+
+| path | 1 q | 2 q | 4 q | 8 q | 16 q | 42 q (a prompt) | 64 q |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| bfloat16 `F.linear` (emulated) | 40 | 57 | 85 | 143 | 257 | 631 | 949 |
+| bfloat16, float32 packs | 58 | 63 | 68 | 76 | 92 | 139 | 182 |
+
 What stays the same: each switched layer keeps its parameter objects (its class becomes `PackedLinear`, an
 `nn.Linear` subclass with no new parameters or buffers), so parameter names, `state_dict()`, `save_pretrained`,
 tied weights and `model.to(...)` are untouched. The packed path is taken only where it computes what `F.linear`
@@ -44,7 +52,8 @@ PEFT's default LoRA merge) is the one change PyTorch does not count, so no forwa
 call it after changing weights that way and before decoding. Copies (`copy.deepcopy`, pickling) leave the packs
 out and repack on their first forward.
 
-Memory: a packed weight is a second copy of the weight (about the model's size again).
+Memory: a packed weight is a second copy of the weight (about the model's size again; twice it for a bfloat16
+weight packed as float32).
 """
 
 from __future__ import annotations
@@ -65,6 +74,11 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _onednn_bfloat16() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX512-BF16 or AMX)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _has_amx() -> bool:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(amx is not None and amx())
@@ -74,12 +88,15 @@ def packing_plan() -> dict[torch.dtype, int]:
     """The weight dtypes `prepack_linears` packs by default on this machine, each with the fewest rows (tokens in a
     forward) from which the packed kernel is used (fewer compute with `F.linear`), as measured (the module's
     table): float32 from one row on AVX2 CPUs and from four on AVX-512 ones, whose MKL GEMV beats oneDNN below
-    that; bfloat16 from one row on CPUs with AMX tiles, and not elsewhere (unmeasured without AMX; AVX2 has no
-    bfloat16 arithmetic). Empty without oneDNN."""
+    that; bfloat16 from one row on CPUs with AMX tiles, and from four, packed as float32 (`compute_dtype`), on CPUs
+    with no bfloat16 arithmetic, where `F.linear` in bfloat16 is emulated and costs about a row's time per row (a
+    one-row product streams half the bytes of float32 and stays with it). Empty without oneDNN."""
     if not onednn_available():
         return {}
     plan = {torch.float32: 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 1}
-    if _has_amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not _onednn_bfloat16():
+        plan[torch.bfloat16] = 4
+    elif _has_amx():
         plan[torch.bfloat16] = 1
     return plan
 
@@ -95,13 +112,14 @@ def _plan(dtypes: Mapping[torch.dtype, int] | Iterable[torch.dtype] | None) -> d
 class _Pack:
     """A prepacked weight and what it was packed from."""
 
-    __slots__ = ("checksum", "dtype", "packed", "source", "version")
+    __slots__ = ("checksum", "compute", "dtype", "packed", "source", "version")
 
     def __init__(self, weight: torch.Tensor):
         with torch.no_grad():
             # Holding the source keeps its storage alive, so no later weight can occupy the same memory.
             self.source, self.dtype, self.version = weight.detach(), weight.dtype, weight._version
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.source, None)
+            self.compute = compute_dtype(weight.dtype)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.source.to(self.compute), None)
             self.checksum = checksum(self.source)
 
     def packs(self, weight: torch.Tensor) -> bool:
@@ -109,6 +127,14 @@ class _Pack:
         strides), dtype and version (no in-place change since)."""
         # A weight that is another tensor fails `is_set_to` before its version (which inference tensors lack) is read.
         return weight.is_set_to(self.source) and weight.dtype == self.dtype and weight._version == self.version
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight of `dtype` is packed and multiplied in: its own, except bfloat16 where oneDNN has no
+    bfloat16 kernels for this CPU (no AVX512-BF16 or AMX): float32, into which the layer's input is converted and out
+    of which its output is rounded back. A product of two bfloat16 numbers is exact in float32, so this computes what
+    a bfloat16 matrix product accumulating in float32 does (to the order of the sums), at float32's speed."""
+    return torch.float32 if dtype == torch.bfloat16 and not _onednn_bfloat16() else dtype
 
 
 def checksum(weight: torch.Tensor) -> int:
@@ -129,14 +155,24 @@ class PackedLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         # Under torch.compile the layer is an ordinary linear: inductor packs weights itself (freezing).
-        packed = None if torch.compiler.is_compiling() else self._packed_weight(weight, bias, input)
-        if packed is None:
+        pack = None if torch.compiler.is_compiling() else self._pack(weight, bias, input)
+        if pack is None:
             return F.linear(input, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise.default(input, packed, bias, "none", [], "")
+        if pack.compute == input.dtype:
+            return torch.ops.mkldnn._linear_pointwise.default(input, pack.packed, bias, "none", [], "")
+        bias = None if bias is None else bias.to(pack.compute)
+        output = torch.ops.mkldnn._linear_pointwise.default(input.to(pack.compute), pack.packed, bias, "none", [], "")
+        return output.to(input.dtype)
 
-    def _packed_weight(
+    def packed_from(self, dtype: torch.dtype) -> int | None:
+        """The fewest rows (tokens in a forward) from which an inference forward with a weight of `dtype` computes
+        through a packed weight; None when never (a dtype not planned, or a weight oneDNN cannot pack)."""
+        rows = self.__dict__.get(_PLAN, {}).get(dtype)
+        return rows if rows is not None and onednn_available() and _packable(self.weight, self.bias) else None
+
+    def _pack(
         self, weight: torch.Tensor, bias: torch.Tensor | None, input: torch.Tensor | None = None, repack: bool = False
-    ) -> torch.Tensor | None:
+    ) -> _Pack | None:
         """The packed weight for a forward on `input` (without one: for an inference forward of enough rows), packed
         again if the weight changed since; None where this forward must be `F.linear` (and then a pack that is
         stale or of a dtype no longer planned is freed)."""
@@ -156,13 +192,13 @@ class PackedLinear(nn.Linear):
                 and not torch.is_autocast_enabled("cpu")
             )
         if usable and not repack and pack is not None and pack.packs(weight):
-            return pack.packed
+            return pack
         if pack is not None and (rows is None or repack or not pack.packs(weight)):
             del self.__dict__[_PACK]  # stale, or of a dtype no longer packed: free it
         if not usable or not _packable(weight, bias):
             return None
         pack = self.__dict__[_PACK] = _Pack(weight)
-        return pack.packed
+        return pack
 
     def _apply(self, fn, recurse=True):
         # `model.to(...)`, `.double()`, `.cuda()`: free a pack the converted weight no longer is (a no-op keeps it).
@@ -209,7 +245,7 @@ def prepack_linears(model: nn.Module, dtypes: Mapping[torch.dtype, int] | Iterab
             module.__dict__[_PLAN] = plan
             weight, pack = module.weight, module.__dict__.get(_PACK)
             changed = pack is not None and pack.packs(weight) and pack.checksum != checksum(weight)
-            packed += module._packed_weight(weight, module.bias, repack=changed) is not None
+            packed += module._pack(weight, module.bias, repack=changed) is not None
     return packed
 
 

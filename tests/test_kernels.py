@@ -17,10 +17,6 @@ import kernels_refusion
 from kernels_refusion import PackedLinear, packing_plan, prepack_linears, unpack_linears
 
 onednn = pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
-bf16_onednn = pytest.mark.skipif(
-    not (kernels_refusion.onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="oneDNN has no bfloat16 kernels on this CPU",
-)
 VOCAB = 320
 FLOAT32 = dict(rtol=1e-5, atol=1e-5)
 EXACT = dict(rtol=0, atol=0)
@@ -180,25 +176,40 @@ def test_other_dtypes_fall_back_and_float32_repacks_after_a_round_trip():
     assert kernels_of(packed, model) == Counter({ONEDNN: len(linears(model))})
 
 
-@bf16_onednn
-def test_bfloat16_packs_equal_plain_bfloat16_to_its_rounding():
+@onednn
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-kernels", "float32-packs"])
+def test_bfloat16_packs_equal_plain_bfloat16_to_its_rounding(native, monkeypatch):
+    """With oneDNN's bfloat16 kernels, or packed as float32 where the CPU has none (the input converted up, the
+    output rounded back): bfloat16 logits either way, equal to F.linear's to bfloat16 rounding."""
+    if native and not kernels_refusion._onednn_bfloat16():
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU")
+    monkeypatch.setattr(kernels_refusion, "_onednn_bfloat16", lambda: native)
     model = model_of("mistral").to(torch.bfloat16)
     packed = packed_copy(model, dtypes=(torch.float32, torch.bfloat16))
+    packs = [layer.__dict__["_refusion_pack"].packed for layer in linears(packed)]
+    assert {pack.dtype for pack in packs} == {torch.bfloat16 if native else torch.float32}
     prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     expected, actual = logits_with_cache(model, prompt), []
     assert linear_ops(lambda: actual.extend(logits_with_cache(packed, prompt))) == Counter({ONEDNN: 5 * 15})
     for got, want in zip(actual, expected, strict=True):  # a few bf16 roundings of logits up to ~5
+        assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
 
 
 @onednn
-def test_the_default_plan_packs_float32_everywhere_and_bfloat16_only_with_amx():
+def test_the_default_plan_packs_float32_everywhere_and_bfloat16_with_amx_or_as_float32_without_its_arithmetic():
     plan = packing_plan()
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert plan[torch.float32] == (4 if avx512 else 1)  # MKL's GEMV wins below 4 rows on AVX-512
-    assert (torch.bfloat16 in plan) == kernels_refusion._has_amx()
+    native, amx = kernels_refusion._onednn_bfloat16(), kernels_refusion._has_amx()
+    # AMX: bfloat16 from one row; no bfloat16 arithmetic: from four, as float32; AVX512-BF16 alone: unmeasured, none
+    assert plan.get(torch.bfloat16) == (1 if native and amx else None if native else 4)
     model = model_of("llama").to(torch.bfloat16)
-    assert prepack_linears(model) == (len(linears(model)) if kernels_refusion._has_amx() else 0)
+    assert prepack_linears(model) == (len(linears(model)) if torch.bfloat16 in plan else 0)
+    if plan.get(torch.bfloat16) == 4:  # one to three rows stay F.linear in bfloat16; four take the float32 packs
+        plain, bf16, layers = model_of("llama").to(torch.bfloat16), dict(rtol=2e-2, atol=5e-2), len(linears(model))
+        assert kernels_of(model, plain, IDS[:, :3], **bf16) == Counter({ATEN: layers})
+        assert kernels_of(model, plain, IDS[:, :4], **bf16) == Counter({ONEDNN: layers})
 
 
 @onednn
