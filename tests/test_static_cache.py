@@ -9,6 +9,7 @@ from test_generation import PROMPT, sharpened_model
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
 import generation_refusion
+import kernels_refusion
 from generation_refusion import (
     LOGITS_IN_GRAPH_WIDTH,
     NARROW_BUCKETS,
@@ -211,6 +212,34 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every bucket was compiled before
     assert set(widths) - {None} <= set(NARROW_BUCKETS + WIDTH_BUCKETS)
     assert min(width for width in widths if width is not None) < WIDTH_BUCKETS[0]  # narrow forwards ran narrow
+
+
+@pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
+def test_the_prompt_runs_eagerly_at_its_own_width_where_prepacked_kernels_serve_it(monkeypatch):
+    model = sharpened_model("qwen3", scale=4.0).float()  # oneDNN packs float32, not float64
+    settings = dict(
+        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
+        pad_token_id=0, cache_implementation="static", compile_config=compile_config(),
+    )  # fmt: skip
+    eager = model.generate(PROMPT, **{**settings, "compile_config": None})
+    forwards, run_model = [], generation_refusion.run_model
+
+    def recorded(model, compiled, batch, *args):
+        forwards.append((batch["ids"].shape[1], compiled is not None))
+        return run_model(model, compiled, batch, *args)
+
+    monkeypatch.setattr(generation_refusion, "run_model", recorded)
+    first = PROMPT.shape[1] + 8  # the prompt and the plan of the first block's two slots
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    assert forwards[0] == (pad_width(first, WIDTH_BUCKETS), True)  # plain layers: padded to a compiled bucket
+    kernels_refusion.prepack_linears(model, {torch.float32: first})  # packed from the prompt's width on
+    forwards.clear()
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    assert forwards[0] == (first, False) and all(compiled for _, compiled in forwards[1:])
+    kernels_refusion.prepack_linears(model, {torch.float32: first + 1})  # narrower than the packs' rows: compiled
+    forwards.clear()
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    assert forwards[0] == (pad_width(first, WIDTH_BUCKETS), True)
 
 
 def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a_weight_change():
