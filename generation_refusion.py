@@ -1979,7 +1979,8 @@ def execute(
         batch_requests = [requests[row] for row in rows]
         sizes = [len(request) if request else 0 for request in batch_requests]
         # The first forward, the prompts', runs eagerly at its own width where prepacked kernels serve it
-        graph, graph_buckets = (None, None) if not forwards and packed_for(model, max(sizes)) else (compiled, buckets)
+        eager_prompt = compiled is not None and not forwards and packed_for(model, max(sizes))
+        graph, graph_buckets = (None, None) if eager_prompt else (compiled, buckets)
         width = pad_width(max(sizes), graph_buckets)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
