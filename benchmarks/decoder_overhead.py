@@ -1,0 +1,123 @@
+"""The decoder's own work between forwards, timed apart from the model (prints a table).
+
+    python -m benchmarks.decoder_overhead [--prompts 8] [--max_new_tokens 64] [--dtype bfloat16] [--repeats 5]
+        [--lookup_drafts 4] [--token_threshold 0.5] [--forward_prices '{"1": 1, "2": 1, "4": 1.34}'] [--profile 25]
+
+Per answer token ReFusion pays for its forwards and, between them, for its own decoding work: scoring the logits,
+deciding, copying drafts from the text, building the next queries and the attention mask. On the AVX2 CPU that work
+(2.9 ms a forward against about 0.4 for an AR step's argmax) is what kept ReFusion behind the fastest AR there
+(benchmarks/results/smollm2-avx2-2026-12-03-prompt). This times it alone and repeatably: a decode of held-out prompts
+records the logits of every forward, then the same decode runs again with the recorded logits in place of the model
+(`generation_refusion.run_model`), so every decision is the same (the answers must be equal, or it stops) and the
+time is the decoder's own. The decode is greedy, batch 1, over the static cache, eager, with priced drafts at the
+given `--forward_prices` (no measuring; default: ratios measured on the AVX2 CPU) and the shipped settings otherwise.
+Prints milliseconds per forward and per answer token (fastest of `--repeats` replays) and, with `--profile N`, the N
+functions of most own time in one replay (cProfile).
+"""
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+
+from finetune.chat import prompt_token_ids
+from recipe.decoding import DecodeRun, decode, decoder_module
+from recipe.evaluate import benchmark_prompts
+from recipe.model import decoding_dtype, load_base, prepare_for_decoding, with_adapter
+
+# SmolLM2's forward prices on the AVX2 CPU relative to one query (frozen, saved, bfloat16; 2026-12-03)
+AVX2_PRICES = {1: 1.0, 2: 0.93, 4: 1.34, 8: 2.38, 16: 6.2, 32: 12.1, 64: 24.1}
+
+
+@contextmanager
+def model_calls(model, call):
+    """Within it, the decoder of `model` runs its forwards through `call(run_model, *arguments)`."""
+    module = decoder_module(model)
+    run_model = module.run_model
+    module.run_model = lambda *arguments: call(run_model, *arguments)
+    try:
+        yield
+    finally:
+        module.run_model = run_model
+
+
+def recorded(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, **settings):
+    """A decode of `prompts` and the logits of each of its forwards, in order."""
+    tape = []
+
+    def record(run_model, *arguments):
+        logits = run_model(*arguments)
+        tape.append(logits.clone())
+        return logits
+
+    with model_calls(model, record):
+        run = decode(model, tokenizer, prompts, max_new_tokens, time_forwards=False, **settings)
+    return run, tape
+
+
+def replayed(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Tensor], expected: DecodeRun, **settings):
+    """The same decode with the `tape`'s logits in place of the model's forwards; returns its seconds. Raises if its
+    answers differ from `expected`'s (the tape is not this decode's)."""
+    position = iter(tape)
+    refusal = "The replayed decode did not follow the recorded one: its answers or forwards differ."
+
+    def replay(run_model, *arguments):
+        logits = next(position, None)
+        if logits is None:
+            raise RuntimeError(refusal)
+        return logits
+
+    with model_calls(model, replay):
+        started = time.perf_counter()
+        run = decode(model, tokenizer, prompts, max_new_tokens, time_forwards=False, **settings)
+        seconds = time.perf_counter() - started
+    if run.answers != expected.answers or next(position, None) is not None:
+        raise RuntimeError(refusal)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (the recorded logits are in it)")
+    parser.add_argument("--repeats", type=int, default=5, help="replays timed; the fastest is reported")
+    parser.add_argument("--lookup_drafts", type=int, default=4)
+    parser.add_argument("--token_threshold", type=float, default=0.5)
+    parser.add_argument("--forward_prices", type=json.loads, default=AVX2_PRICES, help="JSON {width: price}")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N functions of most own time")
+    args = parser.parse_args()
+
+    base, tokenizer = load_base()
+    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
+    model = model.to(decoding_dtype(args.dtype))
+    prepare_for_decoding(model)
+    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
+    settings = dict(draft_schedule="price", forward_prices=args.forward_prices, lookup_drafts=args.lookup_drafts,
+                    token_threshold=args.token_threshold, cache_implementation="static")  # fmt: skip
+    run, tape = recorded(model, refusion_tokenizer, prompts, args.max_new_tokens, **settings)
+    seconds = min(
+        replayed(model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
+        for _ in range(max(args.repeats, 1))
+    )
+    tokens = sum(len(answer) for answer in run.answers)
+    print(f"{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, batch 1, {model.dtype}, priced drafts, "
+          f"lookup_drafts={args.lookup_drafts}, token_threshold={args.token_threshold}, "
+          f"{torch.get_num_threads()} threads; fastest of {args.repeats} replays")  # fmt: skip
+    print("| forwards | answer tokens | decoder seconds | ms per forward | ms per answer token |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {run.forwards} | {tokens} | {seconds:.3f} | {1000 * seconds / run.forwards:.2f} | "
+          f"{1000 * seconds / max(tokens, 1):.2f} |")  # fmt: skip
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(replayed, model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()

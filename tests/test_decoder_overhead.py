@@ -1,0 +1,41 @@
+"""The decoder-overhead benchmark's record and replay on a tiny model: the replay makes the recorded decode's
+decisions without the model, and a tape that is not the decode's is refused."""
+
+import pytest
+import torch
+from test_generation import sharpened_model
+from tiny import tiny_tokenizer
+
+from benchmarks.decoder_overhead import AVX2_PRICES, recorded, replayed
+
+SETTINGS = dict(draft_schedule="price", forward_prices=AVX2_PRICES, lookup_drafts=2, token_threshold=0.3,
+                cache_implementation="static", slot_size=4, block_length=8, eos_token_id=[])  # fmt: skip
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharpened_model("llama", scale=4.0)
+
+
+def test_a_replay_runs_no_forward_and_makes_the_recorded_decisions(model):
+    tokenizer = tiny_tokenizer()
+    run, tape = recorded(model, tokenizer, PROMPTS, 12, **SETTINGS)
+    assert len(tape) == run.forwards and all(logits.dtype == model.dtype for logits in tape)
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        assert replayed(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS) > 0
+        assert not forwards  # the model never ran
+        again, _ = recorded(model, tokenizer, PROMPTS, 12, **SETTINGS)  # and runs again after the replay
+    finally:
+        hook.remove()
+    assert len(forwards) == run.forwards and again.answers == run.answers
+
+
+def test_a_tape_that_is_not_the_decode_s_is_refused(model):
+    tokenizer = tiny_tokenizer()
+    run, tape = recorded(model, tokenizer, PROMPTS, 12, **SETTINGS)
+    flipped = [torch.flip(logits, dims=[-1]) for logits in tape]  # other tokens win every forward
+    with pytest.raises(RuntimeError, match="did not follow the recorded one"):
+        replayed(model, tokenizer, PROMPTS, 12, flipped, run, **SETTINGS)
