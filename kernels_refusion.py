@@ -13,7 +13,8 @@ layout (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linea
 weight freezing emits) prices those forwards nearer one row, and in bfloat16 on a CPU with AMX it beats
 `F.linear` at every width. What wins depends on the CPU; `packing_plan()` says what is packed where, from
 measurements of SmolLM2-135M's whole forward (ms; 2 threads; 120 cached tokens; fastest of 15, paths interleaved;
-ranges over three runs on the AVX-512 machine; the AVX2 figures are an earlier probe's on that machine):
+ranges over three runs on the Intel machine; the AVX2 figures are an earlier probe's on that machine; Zen 4's fastest
+of 9, one run, eager, where about 24 ms of the one-query forward is outside the linear layers):
 
 | CPU | path | 1 q | 2 q | 4 q | 8 q | 16 q |
 | --- | --- | ---: | ---: | ---: | ---: | ---: |
@@ -23,6 +24,10 @@ ranges over three runs on the AVX-512 machine; the AVX2 figures are an earlier p
 | | float32 oneDNN prepacked | 67-73 | 78-82 | 79-90 | 82-102 | 98-112 |
 | | bfloat16 `F.linear` | 58-62 | 64-68 | 63-65 | 62-70 | 72-80 |
 | | bfloat16 oneDNN prepacked | 48-52 | 56-61 | 58-61 | 53-64 | 61-68 |
+| AMD EPYC Zen 4, AVX-512 + AVX512-BF16, no AMX | float32 `F.linear` | 71 | 109 | 100 | 95 | 103 |
+| | float32 oneDNN prepacked | 46 | 57 | 51 | 55 | 65 |
+| | bfloat16 `F.linear` | 46 | 46 | 48 | 50 | 61 |
+| | bfloat16 oneDNN prepacked | 33 | 38 | 47 | 41 | 52 |
 
 A oneDNN call costs 15-30 us more than an `F.linear` one, which its float32 AVX-512 kernels repay only from about
 four rows.
@@ -79,25 +84,18 @@ def _onednn_bfloat16() -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _has_amx() -> bool:
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(amx is not None and amx())
-
-
 def packing_plan() -> dict[torch.dtype, int]:
     """The weight dtypes `prepack_linears` packs by default on this machine, each with the fewest rows (tokens in a
     forward) from which the packed kernel is used (fewer compute with `F.linear`), as measured (the module's
     table): float32 from one row on AVX2 CPUs and from four on AVX-512 ones, whose MKL GEMV beats oneDNN below
-    that; bfloat16 from one row on CPUs with AMX tiles, and from four, packed as float32 (`compute_dtype`), on CPUs
-    with no bfloat16 arithmetic, where `F.linear` in bfloat16 is emulated and costs about a row's time per row (a
-    one-row product streams half the bytes of float32 and stays with it). Empty without oneDNN."""
+    that (on Intel's; measured on AMD's too, packing wins there from one row); bfloat16 from one row on CPUs with
+    bfloat16 arithmetic (AVX512-BF16 or AMX), and from four, packed as float32 (`compute_dtype`), on CPUs with
+    none, where `F.linear` in bfloat16 is emulated and costs about a row's time per row (a one-row product streams
+    half the bytes of float32 and stays with it). Empty without oneDNN."""
     if not onednn_available():
         return {}
     plan = {torch.float32: 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 1}
-    if not _onednn_bfloat16():
-        plan[torch.bfloat16] = 4
-    elif _has_amx():
-        plan[torch.bfloat16] = 1
+    plan[torch.bfloat16] = 1 if _onednn_bfloat16() else 4
     return plan
 
 

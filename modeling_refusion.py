@@ -226,7 +226,8 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
     def prepack_linears(self, dtypes=None) -> int:
         """On a CPU, make the linear layers compute inference forwards through oneDNN with prepacked weights, for the
         dtypes and widths where that measured faster on this kind of CPU (`kernels_refusion.packing_plan()`:
-        bfloat16 with AMX, float32 from 4 rows with AVX-512 and from 1 row with AVX2), or as `dtypes` says. Parameter
+        bfloat16 with AMX or AVX512-BF16, float32 from 4 rows with AVX-512 and from 1 row with AVX2, bfloat16 from
+        4 rows as float32 without bfloat16 arithmetic), or as `dtypes` says. Parameter
         names, `state_dict()` and saved files stay as they are; the logits equal the plain ones to float rounding;
         each packed weight is a second copy in memory. Call it after the model's last `.to(...)`, and again after
         changing weights in place. Returns how many layers compute packed (0 off a CPU or without oneDNN)."""

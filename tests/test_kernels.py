@@ -197,13 +197,12 @@ def test_bfloat16_packs_equal_plain_bfloat16_to_its_rounding(native, monkeypatch
 
 
 @onednn
-def test_the_default_plan_packs_float32_everywhere_and_bfloat16_with_amx_or_as_float32_without_its_arithmetic():
+def test_the_default_plan_packs_float32_everywhere_and_bfloat16_natively_or_as_float32_without_its_arithmetic():
     plan = packing_plan()
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    assert plan[torch.float32] == (4 if avx512 else 1)  # MKL's GEMV wins below 4 rows on AVX-512
-    native, amx = kernels_refusion._onednn_bfloat16(), kernels_refusion._has_amx()
-    # AMX: bfloat16 from one row; no bfloat16 arithmetic: from four, as float32; AVX512-BF16 alone: unmeasured, none
-    assert plan.get(torch.bfloat16) == (1 if native and amx else None if native else 4)
+    assert plan[torch.float32] == (4 if avx512 else 1)  # MKL's GEMV wins below 4 rows on Intel's AVX-512
+    # bfloat16 arithmetic (AVX512-BF16, AMX): bfloat16 from one row; none: from four, as float32
+    assert plan[torch.bfloat16] == (1 if kernels_refusion._onednn_bfloat16() else 4)
     model = model_of("llama").to(torch.bfloat16)
     assert prepack_linears(model) == (len(linears(model)) if torch.bfloat16 in plan else 0)
     if plan.get(torch.bfloat16) == 4:  # one to three rows stay F.linear in bfloat16; four take the float32 packs
