@@ -683,17 +683,19 @@ def lookup_drafts(
     how many of each row's are found: the leading ones that follow a match and are known."""
     length = text.shape[0]
     follows = torch.full_like(starts, -1)  # where the copied tokens begin; -1 where nothing matched
+    # A match of d tokens is a position e before the start whose d tokens before it equal the start's d tokens before
+    # it: the matches of d + 1 tokens are those of d tokens whose (d + 1)-th tokens before e and the start agree too.
+    # (Positions before the text read -1, and a start's token before it -2 where it is unknown or before the text,
+    # so that one comparison says all: no token is negative.)
+    after = torch.arange(length, device=text.device)  # e: where the copied tokens would begin
+    matches = after[None] < starts[:, None]
     for size in range(1, ngram + 1):  # a longer match overrides a shorter one
-        if length <= size:
-            break
-        steps = torch.arange(size, device=text.device)
-        suffix = text[(starts[:, None] - size + steps).clamp(min=0)]
-        windows = text.unfold(0, size, 1)[: length - size]  # each window with a token after it
-        begins = torch.arange(length - size, device=text.device)
-        hit = (windows[None] == suffix[:, None]).all(dim=-1) & (begins[None] + size < starts[:, None])
-        hit &= ((suffix != unknown).all(dim=-1) & (starts >= size))[:, None]
-        last = torch.where(hit, begins, -1).amax(dim=-1)
-        follows = torch.where(last >= 0, last + size, follows)
+        shifted = torch.nn.functional.pad(text, (size, 0), value=-1)[:length]  # each e's size-th token before it
+        before = text[(starts - size).clamp(min=0)]  # the start's
+        before = before.masked_fill((before == unknown) | (starts < size), -2)
+        matches &= shifted[None] == before[:, None]
+        last = torch.where(matches, after, -1).amax(dim=-1)
+        follows = torch.where(last >= 0, last, follows)
     at = follows[:, None] + torch.arange(count, device=text.device)
     drafts = text[at.clamp(0, length - 1)]
     known = (follows[:, None] >= 0) & (at < length) & (drafts != unknown)
@@ -779,6 +781,8 @@ class ForwardPrices:
 
 def upload(values: list[int], device) -> torch.Tensor:
     """A host list as a long tensor on `device`, copied without waiting for the device's queued work."""
+    if torch.device(device).type == "cpu":
+        return torch.tensor(values, dtype=torch.long)
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
@@ -1016,7 +1020,10 @@ class SlotDecoder:
         size = settings.slot_size
         self.num_slots = -(-settings.max_new_tokens // size)
         self.offsets = torch.arange(size, device=self.device)
-        self.answer = torch.full((self.num_slots * size,), settings.mask_token_id, device=self.device)
+        # the prompt and the answer as one text (`_look_up` copies drafts from it); the answer is a view of it
+        masks = torch.full((self.num_slots * size,), settings.mask_token_id, device=self.device)
+        self.text = torch.cat([prompt, masks])
+        self.answer = self.text[prompt.shape[0] :]
         self.drafts = self.answer.clone()
         self.eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=self.device)
         self.status = [self.MASKED] * self.num_slots
@@ -1528,10 +1535,10 @@ class SlotDecoder:
         """Write into the slots' `tokens` (answer indices `index`), after each one's `counts` accepted tokens, the
         drafts copied from earlier text (`lookup_drafts`): the prompt, the answer and the slots' accepted tokens.
         Returns the tokens and how many drafts each slot holds now."""
-        answer = self.answer.clone()
-        answer[index.flatten()] = torch.where(self.offsets < counts[:, None], tokens, answer[index]).flatten()
-        text, count = torch.cat([self.prompt, answer]), self.settings.lookup_drafts
-        starts = self.prompt.shape[0] + index[:, 0] + counts
+        text, count = self.text.clone(), self.settings.lookup_drafts
+        at = index + self.prompt.shape[0]
+        text[at] = torch.where(self.offsets < counts[:, None], tokens, text[at])
+        starts = at[:, 0] + counts
         drafts, found = lookup_drafts(text, starts, count, self.settings.mask_token_id)
         found = torch.minimum(found, self.settings.slot_size - counts)
         ahead = self.offsets - counts[:, None]
@@ -1942,6 +1949,14 @@ def pad_width(width: int, buckets: tuple[int, ...] | None) -> int:
     return next(bucket for bucket in buckets if bucket >= width)
 
 
+def left_padded(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+    """The 1-D `rows` as a `[len(rows), width]` tensor, each padded with `value` on the left."""
+    if len(rows) == 1:  # (one pad costs a tenth of `pad_sequence`'s calls, which decoding pays every forward)
+        return torch.nn.functional.pad(rows[0], (width - rows[0].shape[0], 0), value=value)[None]
+    extra = rows[0].new_full((width,), value)  # pads every row to `width`; dropped below
+    return pad_sequence([*rows, extra], batch_first=True, padding_value=value, padding_side="left")[:-1]
+
+
 def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
     """The logits of each row's last `num_logits` tokens: when the batch's width is a bucket, through the `compiled`
     backbone, whose graphs up to its `logits_width` end with the output layer (frozen weights), and otherwise the
@@ -1984,13 +1999,9 @@ def execute(
         width = pad_width(max(sizes), graph_buckets)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
-            name: pad_sequence(
-                [getattr(request, name) if request else empty for request in batch_requests]
-                + [empty.new_full((width,), value)],  # pads every row to `width`; dropped below
-                True, value, padding_side="left",
-            )[:-1]
-            for name, value in PADDING.items()
-        }  # fmt: skip
+            name: left_padded([getattr(request, name) if request else empty for request in batch_requests], width, fill)
+            for name, fill in PADDING.items()
+        }
         mask = batch_mask(layout, batch, sizes, model.dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
         started = time.perf_counter()

@@ -60,6 +60,38 @@ def test_unknown_tokens_end_a_copy_and_nothing_is_found_without_a_match():
     assert lookup_drafts(text, torch.tensor([2]), 2, unknown)[1].tolist() == [0]
 
 
+def copied_by_definition(text: list[int], start: int, count: int, unknown: int, ngram: int) -> list[int]:
+    """What `lookup_drafts` copies for one start, written as its docstring says: the known tokens after the last
+    earlier occurrence of the longest known suffix (up to `ngram` tokens) before `start` that has one."""
+    for size in range(min(ngram, start), 0, -1):
+        suffix = text[start - size : start]
+        if unknown in suffix:
+            continue
+        begins = [begin for begin in range(start - size) if text[begin : begin + size] == suffix]
+        if begins:
+            copied = []
+            for token in text[begins[-1] + size : begins[-1] + size + count]:
+                if token == unknown:
+                    break
+                copied.append(token)
+            return copied
+    return []
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_copies_equal_the_definition_on_random_texts(ngram):
+    generator = torch.Generator().manual_seed(ngram)
+    for trial in range(200):
+        length = int(torch.randint(1, 30, (1,), generator=generator))
+        text = torch.randint(0, 4, (length,), generator=generator)  # 0: unknown; three tokens repeat often
+        starts = torch.randint(0, length + 1, (5,), generator=generator)
+        drafts, found = lookup_drafts(text, starts, 3, 0, ngram=ngram)
+        for row, start in enumerate(starts.tolist()):
+            expected = copied_by_definition(text.tolist(), start, 3, 0, ngram)
+            assert found[row] == len(expected), (text.tolist(), start)
+            assert drafts[row, : len(expected)].tolist() == expected, (text.tolist(), start)
+
+
 # ---- decoding ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_where_the_answer_repeats_copies_give_the_same_tokens_in_fewer_forwards(architecture):
