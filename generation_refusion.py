@@ -766,6 +766,15 @@ class ForwardPrices:
         low, high = widths[above - 1], widths[above]
         return table[low] + (table[high] - table[low]) * (width - low) / (high - low)
 
+    def run_width(self, width: int) -> int:
+        """The width a forward of `width` new tokens runs at: its bucket, or a wider bucket measured cheaper (the
+        price of a width is already the least of the wider ones')."""
+        width = pad_width(width, self.buckets)
+        if self.buckets is None or width not in self.measured:
+            return width
+        wider = [bucket for bucket in self.buckets if bucket >= width and bucket in self.measured]
+        return min(wider, key=lambda bucket: (self.measured[bucket], bucket))
+
     def observe(self, width: int, seconds: float) -> None:
         """A decode's forward of `width` (as run: padded) took `seconds`, its scoring and the host's read included."""
         if width in self.measured:
@@ -1984,7 +1993,9 @@ def execute(
     requests = [decoder.request() for decoder in decoders]
     layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
     layout = layout_type(cache, len(decoders), device)
-    # A measured price table (not the caller's) learns what forwards over the kind of cache it was measured on took.
+    # A forward runs at the width bucket priced cheapest for it (`ForwardPrices.run_width`); a measured price table
+    # (not the caller's) learns what forwards over the kind of cache it was measured on took.
+    pricing = decoders[0].prices if compiled is not None else None
     prices = decoders[0].prices if isinstance(cache, SlotCache) else None
     prices = prices if prices is not None and prices.key is not None else None
     empty = torch.zeros(0, dtype=torch.long, device=device)
@@ -1997,6 +2008,8 @@ def execute(
         eager_prompt = compiled is not None and not forwards and packed_for(model, max(sizes))
         graph, graph_buckets = (None, None) if eager_prompt else (compiled, buckets)
         width = pad_width(max(sizes), graph_buckets)
+        if graph_buckets is not None and pricing is not None:
+            width = pricing.run_width(width)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = {
             name: left_padded([getattr(request, name) if request else empty for request in batch_requests], width, fill)
@@ -2197,11 +2210,14 @@ def measured_prices(
     if known is None:
         known = model._refusion_prices = {}
     if key not in known:
+        measured_here = model.__dict__.setdefault("_refusion_prices_measured", set())  # the keys measured now
         try:
             known[key] = check_forward_prices(read_price_file(price_file()).get(key))
+            measured_here.discard(key)
         except ValueError:  # not kept, or damaged
             known[key] = measure_forward_prices(model, cache, compiled, buckets=buckets, prompt_width=prompt_width)
             keep_prices(key, known[key])
+            measured_here.add(key)
     return ForwardPrices(known[key], buckets, key)
 
 
@@ -2222,12 +2238,21 @@ def keep_prices(key: str, table: dict[int, float] | None) -> None:
 
 
 def forget_stale_prices(model, prices: ForwardPrices | None) -> None:
-    """Drop a measured table that the decode found stale (`ForwardPrices.stale`) from the model and the price file,
-    so that the next decode measures it again."""
+    """Deal with a measured table that the decode found stale (`ForwardPrices.stale`). One kept from an earlier
+    process is dropped from the model and the price file, so that the next decode measures it again (the machine was
+    busy then). One measured in this process, where measuring again would as likely give the same prices (some
+    forwards measure dearer on their own than amid a decode), takes the decode's times for the widths it beat."""
     stale = prices.stale() if prices is not None else None
     if stale is None:
         return
     width, seconds = stale
+    if prices.key in getattr(model, "_refusion_prices_measured", ()):
+        table = model._refusion_prices[prices.key]
+        for beaten, fastest in prices.seen.items():
+            if fastest < PRICE_STALE * prices.measured[beaten]:
+                table[beaten] = fastest
+        keep_prices(prices.key, table)
+        return
     logger.warning(
         f"Forward prices will be measured again: forwards of {width} new tokens took {seconds:.4g} s in this decode, "
         f"against {prices.measured[width]:.4g} s when measured (the machine was busy then, or in another state)."

@@ -81,7 +81,7 @@ def copied_by_definition(text: list[int], start: int, count: int, unknown: int, 
 @pytest.mark.parametrize("ngram", [1, 2, 3])
 def test_copies_equal_the_definition_on_random_texts(ngram):
     generator = torch.Generator().manual_seed(ngram)
-    for trial in range(200):
+    for _ in range(200):
         length = int(torch.randint(1, 30, (1,), generator=generator))
         text = torch.randint(0, 4, (length,), generator=generator)  # 0: unknown; three tokens repeat often
         starts = torch.randint(0, length + 1, (5,), generator=generator)

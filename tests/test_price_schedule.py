@@ -86,6 +86,16 @@ def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
     assert [noisy(width) for width in (1, 8, 16, 32, 64)] == [6.5, 6.5, 6.5, 6.5, 9.8]
 
 
+def test_a_forward_runs_at_the_cheapest_bucket_as_wide_as_it():
+    dip = ForwardPrices({1: 17.2, 2: 14.5, 4: 14.4, 8: 47.5, 16: 74.6}, buckets=(1, 2, 4, 8, 16, 32))
+    assert [dip.run_width(width) for width in (1, 2, 3, 4, 5, 16, 32, 40)] == [4, 4, 4, 4, 8, 16, 32, 40]
+    assert [dip(width) for width in (1, 2, 4)] == [14.4, 14.4, 14.4]  # priced as run
+    tie = ForwardPrices({1: 2.0, 2: 1.0, 4: 1.0}, buckets=(1, 2, 4))
+    assert tie.run_width(1) == 2  # the narrower of equal prices
+    assert ForwardPrices({1: 2.0, 2: 1.0}).run_width(1) == 1  # eager (no buckets): forwards run as they are
+    assert ForwardPrices({1: 2.0, 64: 1.0}, buckets=(1, 2, 4, 64)).run_width(2) == 2  # 2 not measured: its bucket
+
+
 def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks_the_host_read():
     profile = AcceptanceProfile(4, "cpu")
     assert profile.rate(AcceptanceProfile.PLAN) == 0.5
@@ -325,6 +335,30 @@ def test_a_kept_table_that_decodes_beat_is_measured_again(tmp_path, monkeypatch,
     monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
     model.generate(PROMPT, **settings)
     assert measured == [1] and json.loads(path.read_text())[key] == {str(width): p for width, p in CHEAP.items()}
+
+
+def test_a_table_measured_in_this_process_that_decodes_beat_takes_their_times(tmp_path, monkeypatch, caplog):
+    """Measuring again would as likely give the same prices: the beaten widths take the decode's fastest forward."""
+    path = tmp_path / "prices.json"
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
+    model = sharpened_model("llama", scale=4.0)
+    dear = {1: 1e3, 2: 1.5e3, 64: 8e3}  # seconds: every decode beats it
+    measured = []
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or dict(dear))
+    model.generate(PROMPT, **settings)
+    ((key, table),) = json.loads(path.read_text()).items()
+    assert measured == [1] and "measured again" not in caplog.text
+    beaten = {int(width) for width, price in table.items() if price < dear[int(width)]}
+    assert beaten and all(table[str(width)] < 1.0 for width in beaten)  # this decode's times
+    assert all(table[str(width)] == price for width, price in dear.items() if width not in beaten)
+    assert model._refusion_prices[key] == {int(width): price for width, price in table.items()}
+    model.generate(PROMPT, **settings)
+    assert measured == [1]  # not measured again
+    model._refusion_prices.clear()  # a later process reads the kept table, and a decode that beats it measures again
+    path.write_text(json.dumps({key: {width: price * 1e6 for width, price in table.items()}}))
+    model.generate(PROMPT, **settings)
+    assert "measured again" in caplog.text and key not in json.loads(path.read_text())
 
 
 @pytest.mark.parametrize("case", ["cheaper than measured", "over another kind of cache", "the caller's"])

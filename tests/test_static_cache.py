@@ -212,6 +212,14 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every bucket was compiled before
     assert set(widths) - {None} <= set(NARROW_BUCKETS + WIDTH_BUCKETS)
     assert min(width for width in widths if width is not None) < WIDTH_BUCKETS[0]  # narrow forwards ran narrow
+    assert 1 in widths
+    # where two queries are priced cheaper than one, one-query forwards run padded to two: the same tokens
+    dip = {**steep, 1: 2.5}
+    eager = model.generate(PROMPT, **{**settings, "compile_config": None, "forward_prices": dip})
+    widths.clear()
+    assert torch.equal(model.generate(PROMPT, **{**settings, "forward_prices": dip}), eager)
+    assert 1 not in widths and 2 in widths
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
