@@ -11,6 +11,7 @@ from test_generation import PROMPT, sharpened_model
 from test_static_cache import causal_forward
 from transformers import CompileConfig
 
+import generation_refusion
 from generation_refusion import SavedForwards, compiled_backbone
 
 SETTINGS = dict(
@@ -123,10 +124,12 @@ def test_a_deep_copy_of_the_model_gets_a_backbone_of_its_own(tmp_path, saved):
 def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_it_has_kernels(
     tmp_path, monkeypatch, caplog
 ):
-    """On a CPU, autotuned packages with frozen weights compile with inductor's C++ GEMM template as the only backend
-    (AOTInductor free to choose took ATen's unpacked products for narrow forwards); where the template has no kernel
-    (float64) they compile again, with a warning, with the config's backends. Either way: the eager logits. Named
-    backends, or no autotuning, compile once as configured."""
+    """On a CPU without oneDNN's bfloat16 kernels, autotuned packages with frozen weights compile with inductor's C++
+    GEMM template as the only backend (AOTInductor free to choose took ATen's unpacked products for narrow forwards);
+    where the template has no kernel (float64) they compile again, with a warning, with the config's backends. Either
+    way: the eager logits. Named backends, no autotuning, or a CPU with oneDNN's bfloat16 kernels (whose packed
+    products autotuning picks where they win): one attempt as configured."""
+    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: False)
     backends, compile_package = [], torch._inductor.aoti_compile_and_package
 
     def recorded(exported, package_path, inductor_configs):
@@ -151,3 +154,6 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
         assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [
             config.options.get("max_autotune_gemm_backends")
         ]
+    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
+    attempts = SavedForwards(model, autotuned, tmp_path).attempts
+    assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [None]
