@@ -1748,7 +1748,9 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
     weights = frozen_weights(model, compile_config, held=saved is not None)
     compiled = getattr(model, "_refusion_compiled", None)
     # The backbone's id too: a deep copy of the model carries this record, whose functions run the original's layers.
-    if compiled is None or compiled[:4] != (compile_config, weights, saved, id(model.get_decoder())):
+    # The attention implementation too: the graphs are traced through it.
+    record = (compile_config, weights, saved, id(model.get_decoder()), attention_implementation(model))
+    if compiled is None or compiled[:5] != record:
         if saved is not None:
             backbone = SavedForwards(model, compile_config, saved)
         else:
@@ -1766,9 +1768,9 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
 
             backbone.logits_width = logits_width
 
-        compiled = (copy.deepcopy(compile_config), weights, saved, id(model.get_decoder()), backbone)
+        compiled = (copy.deepcopy(compile_config), *record[1:], backbone)
         model._refusion_compiled = compiled
-    return compiled[4]
+    return compiled[5]
 
 
 class SavedForwards:
@@ -1896,7 +1898,7 @@ def saved_forward_key(model, compile_config: CompileConfig) -> str:
         type(model).__name__,
         hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         weights.hexdigest(),
-        f"{device_name(model)} {model.dtype}",
+        f"{device_name(model)} {model.dtype}, attention {attention_implementation(model)}",
         json.dumps(compile_config.to_dict(), sort_keys=True, default=str),
         hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
         f"torch {torch.__version__}, transformers {transformers_version}",
@@ -2365,6 +2367,12 @@ def refusion_generate(
     )
 
 
+def attention_implementation(model) -> str:
+    """The backbone's attention implementation (`attn_implementation`): its compiled forwards are traced through it,
+    and a model config's JSON does not record it."""
+    return model.config.get_text_config(decoder=True)._attn_implementation or "sdpa"
+
+
 def check_model(model) -> None:
     """Raise a `ValueError` unless `model` is a backbone and attention implementation slot decoding is exact on."""
     text_config = model.config.get_text_config(decoder=True)
@@ -2373,7 +2381,7 @@ def check_model(model) -> None:
             f"ReFusion decoding needs a RoPE causal decoder that honours caller-given position ids; model_type "
             f"{text_config.model_type!r} is not one of {SUPPORTED_BACKBONES}."
         )
-    implementation = text_config._attn_implementation or "sdpa"
+    implementation = attention_implementation(model)
     if implementation not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"attn_implementation={implementation!r} is not supported by ReFusion: it must keep attention in storage "

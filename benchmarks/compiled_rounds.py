@@ -20,7 +20,9 @@ speed-up as a share of it (what the speed-up would be if a ReFusion forward cost
 compiled decoders compile before the first pass (times printed apart). `--freeze` compiles ReFusion with inductor's
 weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`: weights become constants of the graphs, packed for
 the machine's GEMM kernels; minutes of compiling, and on the AMX CPU inductor's disk cache did not keep such graphs,
-so each process compiled them again). transformers' compiled AR stays unfrozen: its static-cache `generate()` fails
+so each process compiled them again). With `--refusion compiled` alone, ReFusion and the static AR below decode with
+the policy's eager attention for compiled forwards (`recipe.model.prepare_for_decoding(compiled=True)`); transformers'
+compiled AR keeps the model's (SDPA). transformers' compiled AR stays unfrozen: its static-cache `generate()` fails
 under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache write).
 
 With compiled ReFusion, a fourth AR decodes beside them: `static AR` (`recipe.decoding.decode_static_ar`), token by
@@ -93,7 +95,8 @@ def main() -> None:
     base, tokenizer = load_base()
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
     ar, model = copy.deepcopy(base).to(args.device, ar_dtype), model.to(args.device, dtype)
-    prepare_for_decoding(model)  # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels
+    # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones eager attention
+    prepare_for_decoding(model, compiled=args.refusion == ["compiled"])
     prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
     refusions = {}
     for path in args.refusion:
@@ -127,7 +130,7 @@ def main() -> None:
     decoders = {"compiled AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings)}
     if "compiled" in args.refusion:
         static_ar = copy.deepcopy(base).to(args.device, dtype)
-        prepare_for_decoding(static_ar)  # its eager forwards (the prompt) use the kernels, as ReFusion's do
+        prepare_for_decoding(static_ar, compiled=True)  # the policy's, as ReFusion's: kernels, eager attention
         static_settings = dict(compile_config=compiled_refusion(args.device, mode, args.freeze)["compile_config"],
                                max_cache_len=static_cache_length(prompts, args.max_new_tokens),
                                compile_cache_dir=args.compile_cache_dir)  # fmt: skip

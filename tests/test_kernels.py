@@ -326,6 +326,11 @@ def test_the_decoding_policy_prepacks_a_cpu_model_unless_told_not_to():
         isinstance(m, PackedLinear) for m in linears(model)
     )
     assert prepare_for_decoding(model) == len(linears(model)) > 0
+    assert model.config._attn_implementation == "sdpa"  # eager attention is for compiled forwards only
     packed = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
     assert torch.equal(packed.sequences, plain.sequences)
     assert packed.num_forward_passes == plain.num_forward_passes
+    prepare_for_decoding(model, compiled=True)
+    assert model.config._attn_implementation == "eager"
+    eager_attention = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
+    assert torch.equal(eager_attention.sequences, plain.sequences)

@@ -88,6 +88,29 @@ def test_a_weight_change_means_other_packages(tmp_path):
     assert len(keys) == 6
 
 
+def test_an_attention_change_means_another_backbone_and_other_packages(tmp_path, compiles):
+    """The graphs are traced through the model's attention implementation, which its config's JSON does not record:
+    switching it gives a fresh backbone whose packages have other keys, and each decodes the eager tokens of its own
+    implementation (eager attention is the decoding policy's for compiled forwards on a CPU)."""
+    model = sharpened_model("llama", scale=4.0)
+    config, shape = compile_config(), (1, 8, 128)
+    saved = dict(SETTINGS, compile_config=config, compile_cache_dir=str(tmp_path))
+    answers, paths = {}, {}
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        backbone = compiled_backbone(model, config, tmp_path)
+        paths[implementation] = backbone.path(shape)
+        eager = model.generate(PROMPT, **{**SETTINGS, "cache_implementation": None})
+        count = len(compiles)
+        answers[implementation] = model.generate(PROMPT, **saved)
+        assert torch.equal(answers[implementation], eager)
+        assert len(compiles) > count  # its own packages, none of the other implementation's loaded
+        assert compiled_backbone(model, config, tmp_path) is backbone
+    assert paths["sdpa"] != paths["eager"]
+    model.set_attn_implementation("sdpa")
+    assert compiled_backbone(model, config, tmp_path).path(shape) == paths["sdpa"]
+
+
 def test_compile_cache_dir_needs_compiled_forwards_by_inductor(tmp_path):
     model = sharpened_model("mistral", scale=4.0)
     settings = dict(SETTINGS, compile_cache_dir=str(tmp_path))

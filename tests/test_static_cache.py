@@ -269,8 +269,10 @@ def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a
     layer.weight.data = layer.weight.data * -3.0  # the same parameter, new memory
     changed = model.generate(PROMPT, **{**settings, "compile_config": None})
     assert not torch.equal(changed, eager)  # the change matters to the answer
-    config, _, saved, owner, old_graphs = model._refusion_compiled
-    model._refusion_compiled = (config, generation_refusion.frozen_weights(model, frozen), saved, owner, old_graphs)
+    config, _, saved, owner, attention, old_graphs = model._refusion_compiled
+    model._refusion_compiled = (
+        config, generation_refusion.frozen_weights(model, frozen), saved, owner, attention, old_graphs
+    )  # fmt: skip
     assert torch.equal(model.generate(PROMPT, **settings), eager)  # the weights were frozen: the old graphs are stale
     del model._refusion_compiled
     model.generate(PROMPT, **settings)  # a first backbone over these weights, then a weight change again:
