@@ -2153,16 +2153,16 @@ def measure_forward_prices(
 
 
 def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None, saved=False) -> str:
-    """What a price table holds for: the model (name, config, kinds of linear layer), the device and threads, the
-    dtype, the forward path (eager, or the compile config, width `buckets` and whether the forwards are `saved` ones),
-    the batch size and cache length, and torch's version."""
+    """What a price table holds for: the model (name, config, kinds of linear layer, attention implementation), the
+    device and threads, the dtype, the forward path (eager, or the compile config, width `buckets` and whether the
+    forwards are `saved` ones), the batch size and cache length, and torch's version."""
     config = model.config.to_json_string(use_diff=False)
     linears = sorted({type(module).__name__ for module in model.modules() if isinstance(module, torch.nn.Linear)})
     keys = cache.layers[0].keys
     return " | ".join([
         model.config._name_or_path or model.config.model_type,
         hashlib.sha256(config.encode()).hexdigest()[:16],
-        "+".join(linears),
+        "+".join(linears) + f", attention {attention_implementation(model)}",
         f"{device_name(model)} {torch.get_num_threads()} threads",
         str(model.dtype),
         "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}"

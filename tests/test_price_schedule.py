@@ -402,14 +402,16 @@ def test_an_unwritable_file_warns_and_decodes(tmp_path, monkeypatch, caplog):
     assert "could not be kept" in caplog.text
 
 
-def test_a_table_holds_for_one_model_dtype_batch_path_and_set_of_widths():
+def test_a_table_holds_for_one_model_dtype_attention_batch_path_and_set_of_widths():
     model = sharpened_model("llama", scale=4.0)
     keys = {price_key(model, SlotCache(model, 1, 128), None), price_key(model, SlotCache(model, 2, 128), None)}
     compiled = generation_refusion.CompileConfig(mode="max-autotune-no-cudagraphs")
     keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (8, 16)))
     keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (1, 2, 8, 16)))
+    model.set_attn_implementation("eager")  # what a forward costs depends on it; the config's JSON does not say it
+    keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (1, 2, 8, 16)))
     keys.add(price_key(model.to(torch.float32), SlotCache(model, 1, 128), None))
-    assert len(keys) == 5
+    assert len(keys) == 6
 
 
 def test_a_generation_config_can_carry_the_schedule_and_its_prices(tmp_path):
