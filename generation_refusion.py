@@ -1661,8 +1661,9 @@ class CacheLayout:
     def batch_rows(self, live: list[int]) -> list[int]:
         """The rows of the next forward's batch: the `live` ones (the cache drops the others)."""
         if live != self.rows and self.cache is not None:
-            keep = [self.rows.index(row) for row in live]
-            self.cache.batch_select_indices(upload(keep, self.ranks.device))
+            # one upload for all three (a tensor indexed with a list copies it to the device and waits there)
+            keep = upload([self.rows.index(row) for row in live], self.ranks.device)
+            self.cache.batch_select_indices(keep)
             self.ranks, self.groups = self.ranks[keep], self.groups[keep]
         self.rows = live
         return live

@@ -19,7 +19,9 @@ HOST_READS = {
 
 
 class HostReads(TorchFunctionMode):
-    """Counts operations that read tensor values to the host, boolean-mask indexing included (its size is data)."""
+    """Counts operations that read tensor values to the host or wait for the device: boolean-mask indexing (its size
+    is data) included, and indexing with a Python list (on a GPU, a copy of the list that waits for the queued work:
+    what CUDA's sync debug mode caught in `CacheLayout.batch_rows`)."""
 
     def __init__(self):
         super().__init__()
@@ -30,7 +32,9 @@ class HostReads(TorchFunctionMode):
             self.count += 1
         elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            self.count += any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in index)
+            self.count += any(
+                isinstance(part, list) or isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in index
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -55,8 +59,9 @@ def test_the_counter_sees_boolean_indexing_and_tolist():
     with HostReads() as reads:
         x[x > 2]
         x[torch.tensor([0, 1])]
+        x[[0, 1]]
         x.tolist()
-    assert reads.count == 2
+    assert reads.count == 3
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
