@@ -3,6 +3,7 @@
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
         [--refusion compiled eager] [--draft_schedules fixed price] [--lookup_drafts 0 4] [--token_thresholds 0.3 0.5]
         [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze] [--compile_cache_dir DIR] [--ar_prompt_lookup 4]
+        [--random_base FOLDER]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
 turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and by
@@ -35,6 +36,11 @@ compile_cache_dir=...)`): a second run loads them in seconds (the compile time p
 `--ar_prompt_lookup N` adds transformers' own prompt lookup decoding as a fifth AR: eager `generate()` in ReFusion's
 dtype with `prompt_lookup_num_tokens=N` (assisted generation, which transformers runs with a dynamic cache only), the
 AR counterpart of ReFusion's `lookup_drafts`.
+
+`--random_base FOLDER` times a model of the shipped architecture with random weights (`recipe.model.random_base`)
+for a machine that cannot fetch the shipped one (a GPU machine without PyPI): the price of its forwards and of the
+decoder's work between them is the shipped model's, its acceptance is not, so read the "share of tokens/forward"
+column (the speed-up over tokens per forward: what a ReFusion forward costs against an AR step, all included).
 """
 
 import argparse
@@ -62,7 +68,7 @@ from recipe.decoding import (
     warm_up_compiled_ar,
 )
 from recipe.evaluate import benchmark_prompts
-from recipe.model import decoding_dtype, load_base, prepare_for_decoding, with_adapter
+from recipe.model import decoding_dtype, load_base, prepare_for_decoding, random_base, with_adapter
 
 
 def main() -> None:
@@ -88,11 +94,15 @@ def main() -> None:
                         help="keep ReFusion's and the static AR's compiled forwards there (AOTInductor)")  # fmt: skip
     parser.add_argument("--ar_prompt_lookup", type=int, default=0, metavar="N",
                         help="also time eager AR with transformers' prompt_lookup_num_tokens=N")  # fmt: skip
+    parser.add_argument("--random_base", default=None, metavar="FOLDER",
+                        help="time a model of the architecture saved in FOLDER (recipe.model.save_architecture) "
+                        "with random weights in place of the shipped one: prices only, its tokens per forward "
+                        "are not the model's")  # fmt: skip
     args = parser.parse_args()
     dtype, mode = decoding_dtype(args.dtype, args.device), args.mode or compile_mode(args.device)
     ar_dtype = decoding_dtype(args.ar_dtype, args.device)
 
-    base, tokenizer = load_base()
+    base, tokenizer = load_base() if args.random_base is None else random_base(args.random_base)
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
     ar, model = copy.deepcopy(base).to(args.device, ar_dtype), model.to(args.device, dtype)
     # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones eager attention

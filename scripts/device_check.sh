@@ -6,7 +6,14 @@
 # lands in one folder: $OUT when set (the device tool's), else device-results/.
 #
 #   bash scripts/device_check.sh                 # a GPU machine with PyPI: keeps the machine's CUDA torch
-#   WHEELS=.whl bash scripts/device_check.sh     # offline: the missing packages from a folder of wheels
+#   WHEELS=.whl ARCHITECTURE=.standin bash scripts/device_check.sh
+#
+# The second form is for a machine that reaches no package index: WHEELS is a folder of wheels of the packages its
+# Python lacks (installed with --no-deps into a folder put on PYTHONPATH; this package runs from the checkout), and
+# ARCHITECTURE a folder written by `recipe.model.save_architecture` (the shipped model's config and tokenizer, a few
+# MB) when the shipped model's 98 MB GGUF cannot be fetched there: the speed check then times a model of that
+# architecture with random weights (`benchmarks.compiled_rounds --random_base`), whose forwards cost what the shipped
+# model's cost but whose drafts are not the shipped model's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-device-results}"
@@ -16,7 +23,11 @@ python="${PYTHON:-python3}"
 
 nvidia-smi > "$out/nvidia-smi.txt"
 if [ -n "${WHEELS:-}" ]; then
-    "$python" -m pip install --quiet --no-index --find-links "$WHEELS" -e ".[test]"
+    site="$(mktemp -d)"
+    "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    # transformers (5.25) fetches kernels from the Hub in from_pretrained on CUDA unless told not to
+    export USE_HUB_KERNELS=0 HF_HUB_OFFLINE=1
 else
     "$python" -m pip install --quiet -e ".[test]"
 fi
@@ -28,8 +39,14 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
 PY
 
 status=0
-timeout 240 "$python" -m pytest -q -rs tests/test_cuda.py tests/test_dtype_policy.py tests/test_host_reads.py 2>&1 | tee "$out/cuda_tests.txt" \
+timeout 200 "$python" -m pytest -q -rs tests/test_cuda.py tests/test_dtype_policy.py tests/test_host_reads.py 2>&1 | tee "$out/cuda_tests.txt" \
     || status=1
+if [ -n "${ARCHITECTURE:-}" ]; then
+    REFUSION_PRICE_CACHE="$out/prices.json" timeout 330 "$python" -m benchmarks.compiled_rounds --device cuda --random_base "$ARCHITECTURE" --prompts 8 \
+        --rounds 2 --refusion compiled --draft_schedules fixed price --lookup_drafts 4 \
+        --token_thresholds 0.5 2>&1 | tee "$out/compiled_rounds.log" || status=1
+    exit "$status"
+fi
 timeout 120 "$python" -m benchmarks.forward_cost --device cuda --dtypes bfloat16 float32 \
     --widths 1 2 4 8 16 32 64 128 --output_dir "$out" 2>&1 | tee "$out/forward_cost.log" || status=1
 timeout 300 "$python" -m benchmarks.quality_speed --device cuda --dtype bfloat16 --prompts 16 \

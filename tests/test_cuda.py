@@ -6,7 +6,6 @@ import pytest
 import torch
 from test_batching import PROMPTS, left_padded
 from test_generation import PROMPT, check_well_formed, sharpened_model
-from test_sft import logged_losses, run_cli, save_base, write_data
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SETTINGS = dict(slot_size=4, slot_threshold=0.5, token_threshold=0.4, eos_token_id=[], pad_token_id=0)
@@ -60,6 +59,8 @@ def test_bfloat16_decoding_on_cuda_is_well_formed():
 
 def test_qlora_step_with_bitsandbytes_on_cuda(tmp_path):
     pytest.importorskip("bitsandbytes")
+    from test_sft import logged_losses, run_cli, save_base, write_data  # TRL and datasets: this test's alone
+
     base_dir = save_base(tmp_path / "base", "llama")
     data = write_data(tmp_path / "data", "messages", "jsonl")
     output_dir = tmp_path / "out"
