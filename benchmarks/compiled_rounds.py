@@ -117,7 +117,7 @@ def main() -> None:
             schedule = "price" if "price" in args.draft_schedules else "fixed"  # its buckets serve both schedules
             compile_seconds = compile_refusion(
                 model, prompts, args.max_new_tokens, options["compile_config"], draft_schedule=schedule,
-                compile_cache_dir=args.compile_cache_dir,
+                compile_cache_dir=args.compile_cache_dir, lookup_drafts=max(args.lookup_drafts, key=lambda n: n or 0),
             )  # fmt: skip
             print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
         for schedule, lookup, threshold in itertools.product(

@@ -265,11 +265,13 @@ def compile_refusion(
     generation_config: GenerationConfig | None = None,
     draft_schedule: str | None = None,
     compile_cache_dir: str | None = None,
+    lookup_drafts: int | None = None,
 ) -> float:
     """Compile ReFusion's forwards for decoding `prompts` in batches of `batch_size` (every width bucket of
     `draft_schedule`, over a static cache long enough for the longest prompt, with the slot and block sizes and the
-    draft schedule of `generation_config`, the model's by default), so that the timed decode compiles nothing;
-    returns the seconds it took (the one-off compile time; with `compile_cache_dir`, loading what is kept there)."""
+    draft schedule of `generation_config`, the model's by default), and the copying of `lookup_drafts` drafts (default:
+    the config's) where there is any, so that the timed decode compiles nothing; returns the seconds it took (the
+    one-off compile time; with `compile_cache_dir`, loading what is kept there)."""
     decoder = decoder_module(model)
     config = generation_config or model.generation_config
     slot_size = getattr(config, "slot_size", None) or DECODING_DEFAULTS["slot_size"]
@@ -279,7 +281,11 @@ def compile_refusion(
     synchronize(model.device)
     started = time.perf_counter()
     schedule = draft_schedule or getattr(config, "draft_schedule", None) or DECODING_DEFAULTS["draft_schedule"]
-    decoder.compile_forwards(model, compile_config, min(batch_size, len(prompts)), columns, schedule, compile_cache_dir)
+    lookup = getattr(config, "lookup_drafts", 0) if lookup_drafts is None else lookup_drafts
+    copying = {"lookup_drafts": lookup} if lookup else {}  # (a folder's older decoder module does not take it)
+    decoder.compile_forwards(
+        model, compile_config, min(batch_size, len(prompts)), columns, schedule, compile_cache_dir, **copying
+    )
     synchronize(model.device)
     return time.perf_counter() - started
 

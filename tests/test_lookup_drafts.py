@@ -8,7 +8,15 @@ from test_batching import assert_exact_everywhere
 from test_generation import PROMPT, sharpened_model
 from test_price_schedule import FLAT, STEEP, forward_queries
 
-from generation_refusion import check_decoding, lookup_drafts
+import generation_refusion
+from generation_refusion import (
+    check_decoding,
+    compile_forwards,
+    compiled_lookup_drafts,
+    lookup_drafts,
+    static_cache_columns,
+    warm_up_lookup,
+)
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 CYCLE = list(range(50, 57))  # the tokens the cycling model's answers go round
@@ -92,7 +100,52 @@ def test_copies_equal_the_definition_on_random_texts(ngram):
             assert drafts[row, : len(expected)].tolist() == expected, (text.tolist(), start)
 
 
+def test_the_compiled_lookup_copies_what_the_eager_one_does_and_compiles_two_graphs_up_front():
+    """Decodes through compiled forwards copy drafts through `compiled_lookup_drafts()`: one graph for one start, one
+    for more, whatever the text's length (dynamic shapes); `warm_up_lookup` compiles both."""
+    warm_up_lookup("cpu", 3, 0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(5)
+    for case in range(60):
+        length = int(torch.randint(2, 40, (1,), generator=generator))
+        text = torch.randint(0, 4, (length,), generator=generator)  # 0: unknown
+        starts = torch.randint(0, length + 1, (1 + case % 4,), generator=generator)
+        compiled, eager = compiled_lookup_drafts()(text, starts, 3, 0), lookup_drafts(text, starts, 3, 0)
+        assert torch.equal(compiled[1], eager[1]), (text.tolist(), starts.tolist())
+        for row, found in enumerate(eager[1].tolist()):  # the drafts past those found are not read
+            assert torch.equal(compiled[0][row, :found], eager[0][row, :found])
+    assert torch.equal(compiled_lookup_drafts()(torch.tensor([5, 6, 7, 5, 6]), torch.tensor([5]), 3, 0)[0],
+                       torch.tensor([[7, 5, 6]]))  # fmt: skip
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 # ---- decoding ------------------------------------------------------------------------------------------------------
+def test_compiled_decodes_copy_through_the_compiled_lookup_and_give_the_eager_tokens(monkeypatch):
+    from test_static_cache import compile_config
+
+    calls = []
+    compiled = compiled_lookup_drafts()
+
+    def counted(*arguments):
+        calls.append(arguments[2])
+        return compiled(*arguments)
+
+    monkeypatch.setattr(generation_refusion, "compiled_lookup_drafts", lambda: counted)
+    model = cycling_model("llama")
+    settings = dict(SETTINGS, lookup_drafts=4, cache_implementation="static", compile_config=compile_config())
+    eager = model.generate(PROMPT, **{**settings, "compile_config": None})
+    assert not calls  # eager forwards copy eagerly
+    columns = static_cache_columns(PROMPT.shape[1], SETTINGS["max_new_tokens"], 8, 16)
+    compile_forwards(model, settings["compile_config"], 1, columns, lookup_drafts=4)
+    assert calls == [4, 4]  # the warm-up: one start, several
+    calls.clear()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    output = model.generate(PROMPT, **settings)
+    assert torch.equal(output.sequences, eager.sequences) and output.num_forward_passes == eager.num_forward_passes
+    assert calls and set(calls) == {4}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # compile_forwards compiled it all
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_where_the_answer_repeats_copies_give_the_same_tokens_in_fewer_forwards(architecture):
     """Only the model's own token passes a threshold of 0.5: copied drafts change how many forwards it takes, not
