@@ -11,8 +11,11 @@ records the logits of every forward, then the same decode runs again with the re
 (`generation_refusion.run_model`), so every decision is the same (the answers must be equal, or it stops) and the
 time is the decoder's own. The decode is greedy, batch 1, over the static cache, eager, with priced drafts at the
 given `--forward_prices` (no measuring; default: ratios measured on the AVX2 CPU) and the shipped settings otherwise.
-Prints milliseconds per forward and per answer token (fastest of `--repeats` replays) and, with `--profile N`, the N
-functions of most own time in one replay (cProfile).
+Prints milliseconds per forward and per answer token (fastest of `--repeats` replays), the ATen operations the
+decoder dispatches per forward (each a kernel launch or more on a GPU: on an NVIDIA H200, where the decode's forwards
+ran as CUDA graphs, the decoder's 311 operations a forward cost it 2.1-2.5 ms, about 7 microseconds each;
+benchmarks/results/smollm2-h200-2026-12-04) and, with `--profile N`, the N functions of most own time in one replay
+(cProfile).
 """
 
 import argparse
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.chat import prompt_token_ids
 from recipe.decoding import DecodeRun, decode, decoder_module
@@ -81,6 +85,28 @@ def replayed(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Te
     return seconds
 
 
+class CountedOperations(TorchDispatchMode):
+    """Counts the ATen operations dispatched while it is on (what a compiled region runs counts as its kernels do
+    not pass through the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Tensor], expected: DecodeRun,
+               **settings) -> int:  # fmt: skip
+    """The ATen operations the decoder dispatches in a replay of `tape` (`replayed`): on a GPU each is a kernel
+    launch at least, which is what the decoder's work between forwards cost there (see the module's docstring)."""
+    with CountedOperations() as counted:
+        replayed(model, tokenizer, prompts, max_new_tokens, tape, expected, **settings)
+    return counted.count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -105,14 +131,15 @@ def main() -> None:
         replayed(model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
         for _ in range(max(args.repeats, 1))
     )
+    counted = operations(model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
     tokens = sum(len(answer) for answer in run.answers)
     print(f"{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, batch 1, {model.dtype}, priced drafts, "
           f"lookup_drafts={args.lookup_drafts}, token_threshold={args.token_threshold}, "
           f"{torch.get_num_threads()} threads; fastest of {args.repeats} replays")  # fmt: skip
-    print("| forwards | answer tokens | decoder seconds | ms per forward | ms per answer token |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| forwards | answer tokens | decoder seconds | ms per forward | ms per answer token | operations/forward |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {run.forwards} | {tokens} | {seconds:.3f} | {1000 * seconds / run.forwards:.2f} | "
-          f"{1000 * seconds / max(tokens, 1):.2f} |")  # fmt: skip
+          f"{1000 * seconds / max(tokens, 1):.2f} | {counted / run.forwards:.0f} |")  # fmt: skip
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(replayed, model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)

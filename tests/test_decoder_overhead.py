@@ -6,7 +6,7 @@ import torch
 from test_generation import sharpened_model
 from tiny import tiny_tokenizer
 
-from benchmarks.decoder_overhead import AVX2_PRICES, recorded, replayed
+from benchmarks.decoder_overhead import AVX2_PRICES, CountedOperations, operations, recorded, replayed
 
 SETTINGS = dict(draft_schedule="price", forward_prices=AVX2_PRICES, lookup_drafts=2, token_threshold=0.3,
                 cache_implementation="static", slot_size=4, block_length=8, eos_token_id=[])  # fmt: skip
@@ -39,3 +39,15 @@ def test_a_tape_that_is_not_the_decode_s_is_refused(model):
     flipped = [torch.flip(logits, dims=[-1]) for logits in tape]  # other tokens win every forward
     with pytest.raises(RuntimeError, match="did not follow the recorded one"):
         replayed(model, tokenizer, PROMPTS, 12, flipped, run, **SETTINGS)
+
+
+def test_the_decoder_s_operations_are_counted_without_the_model_s(model):
+    tokenizer = tiny_tokenizer()
+    with CountedOperations() as whole:
+        run, tape = recorded(model, tokenizer, PROMPTS, 12, **SETTINGS)
+    counted = operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)
+    assert counted == operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)  # the same decisions
+    with CountedOperations() as forwards:  # about what the recorded decode's forwards dispatched
+        for _ in range(run.forwards):
+            model(torch.tensor([PROMPTS[0]]))
+    assert 10 * run.forwards < counted < whole.count - forwards.count // 2  # the decoder's alone
