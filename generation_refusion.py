@@ -707,8 +707,9 @@ def lookup_drafts(
 def compiled_lookup_drafts():
     """`lookup_drafts` compiled by torch.compile with dynamic shapes, which decodes through compiled forwards use: its
     two dozen small operations (a decode's largest share of the decoder's own) become one kernel; SmolLM2's texts on
-    an AMD Zen 4, 2 threads: 161 against 39 microseconds a call. Two graphs serve every text length, draft count and
-    mask token: one for a single start, one for more (`warm_up_lookup` compiles both)."""
+    an AMD Zen 4, 2 threads: 161 against 39 microseconds a call. Two graphs serve every text length, mask token and
+    draft count above one (dynamo gives a count of one graphs of its own): one for a single start, one for more
+    (`warm_up_lookup` compiles both for a count)."""
     return torch.compile(lookup_drafts, dynamic=True, fullgraph=True)
 
 

@@ -92,9 +92,9 @@ def load_base(
 def save_architecture(folder: str | Path, path: str | Path | None = None, gguf_file: str | None = None) -> Path:
     """Save the base model's config and tokenizer (see `base_location`), without its weights, into `folder`: a few
     MB that `random_base` makes a model of. Returns the folder."""
-    base, tokenizer = load_base(path, gguf_file)
-    base.config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    location, gguf_file = base_location(path, gguf_file)
+    AutoConfig.from_pretrained(location, gguf_file=gguf_file).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(location, gguf_file=gguf_file).save_pretrained(folder)
     return Path(folder)
 
 
