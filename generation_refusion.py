@@ -48,6 +48,7 @@ import platform
 import shutil
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
@@ -703,21 +704,21 @@ def lookup_drafts(
     return drafts, accepted_lengths(known)
 
 
-@functools.cache
-def compiled_lookup_drafts():
-    """`lookup_drafts` compiled by torch.compile with dynamic shapes, which decodes through compiled forwards use: its
-    two dozen small operations (a decode's largest share of the decoder's own) become one kernel; SmolLM2's texts on
-    an AMD Zen 4, 2 threads: 161 against 39 microseconds a call. Two graphs serve every text length, mask token and
-    draft count above one (dynamo gives a count of one graphs of its own): one for a single start, one for more
-    (`warm_up_lookup` compiles both for a count)."""
-    return torch.compile(lookup_drafts, dynamic=True, fullgraph=True)
-
-
-def warm_up_lookup(device, count: int, unknown: int) -> None:
-    """Compile `compiled_lookup_drafts()` for `count` drafts on `device` now, for one start and for several."""
-    text = torch.zeros(4, dtype=torch.long, device=device)
-    for starts in ([2], [2, 3]):
-        compiled_lookup_drafts()(text, torch.tensor(starts, device=device), count, unknown)
+def copy_drafts(
+    text: torch.Tensor, at: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, count: int, unknown: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write into slots' `tokens` (`[slots, slot_size]`, at text positions `at`), after each one's `counts` accepted
+    tokens, up to `count` drafts copied from the `text` (`lookup_drafts`) as it reads with those accepted tokens in
+    place. Returns the tokens and how many drafts each slot holds now."""
+    size = tokens.shape[1]
+    offsets = torch.arange(size, device=tokens.device)
+    accepted = offsets < counts[:, None]
+    text = text.index_put((at,), torch.where(accepted, tokens, text[at]))
+    drafts, found = lookup_drafts(text, at[:, 0] + counts, count, unknown)
+    found = torch.minimum(found, size - counts)
+    ahead = offsets - counts[:, None]
+    copied = (ahead >= 0) & (ahead < found[:, None])
+    return torch.where(copied, drafts.gather(1, ahead.clamp(0, count - 1)), tokens), found
 
 
 def expected_tokens(rate: float, drafts: int) -> float:
@@ -1040,10 +1041,10 @@ class SlotDecoder:
         processors=None,
         watcher=None,
         prices=None,
-        lookup=lookup_drafts,
+        steps: "StepFunctions | None" = None,
     ):
         self.settings, self.device, self.prices = settings, prompt.device, prices  # prices: `draft_schedule="price"`
-        self.lookup = lookup  # `lookup_drafts`, or compiled with the forwards (`compiled_lookup_drafts`)
+        self.steps = steps or EAGER_STEPS  # compiled with the forwards (`compiled_steps()`) or not
         self.processors, self.watcher = processors or lp.LogitsProcessorList(), watcher
         self.context_free = all(isinstance(processor, CONTEXT_FREE) for processor in self.processors)
         # Greedy decoding with no processor that reads the tokens before a position scores all of a forward's rows
@@ -1176,7 +1177,7 @@ class SlotDecoder:
             return chosen.long()
         # the drafts after each slot's first one, copied from the text
         slots = self._slot_index(phase.slots)
-        self.drafts[slots], found = self._look_up(slots, self.drafts[slots], torch.ones_like(slots[:, 0]))
+        self.drafts[slots], found = self._look_up(slots, self.drafts[slots], slots.new_ones(slots.shape[0]))
         return torch.cat([chosen.long(), found])
 
     def _planned(self, phase: Phase, values: list[int]) -> Phase:
@@ -1569,15 +1570,9 @@ class SlotDecoder:
         """Write into the slots' `tokens` (answer indices `index`), after each one's `counts` accepted tokens, the
         drafts copied from earlier text (`lookup_drafts`): the prompt, the answer and the slots' accepted tokens.
         Returns the tokens and how many drafts each slot holds now."""
-        text, count = self.text.clone(), self.settings.lookup_drafts
         at = index + self.prompt.shape[0]
-        text[at] = torch.where(self.offsets < counts[:, None], tokens, text[at])
-        starts = at[:, 0] + counts
-        drafts, found = self.lookup(text, starts, count, self.settings.mask_token_id)
-        found = torch.minimum(found, self.settings.slot_size - counts)
-        ahead = self.offsets - counts[:, None]
-        copied = (ahead >= 0) & (ahead < found[:, None])
-        return torch.where(copied, drafts.gather(1, ahead.clamp(0, count - 1)), tokens), found
+        return self.steps.copy_drafts(self.text, at, tokens, counts, self.settings.lookup_drafts,
+                                      self.settings.mask_token_id)  # fmt: skip
 
     def _grouped(self, state, index, at, tokens, groups, parents=None) -> Queries:
         """The tokens at flat positions `at` of the infilling slots' `tokens` (`[slots, slot_size]`, answer indices
@@ -1625,6 +1620,68 @@ def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, colu
 
 
 PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2, "parents": NO_GROUP}
+
+
+def static_mask(pointers, lengths, key_columns, key_groups, ranks, prefixes, groups, parents, dtype):
+    """Where a padded forward's new tokens go in a `SlotCache` and their attention mask: row r brings `lengths[r]` new
+    tokens (its last ones; the left padding before them) and has `pointers[r]` stored at columns 0 .. pointers[r] -
+    1; the new tokens are written from its pointer on, the padding after them, where the next forward overwrites it.
+    `key_columns` is `arange(cache length)`, `key_groups` (`[batch, cache length]`) the group of each column's token.
+    Returns the write columns (`[batch, width]`), the key groups with the new tokens' and the mask (`attention_mask`);
+    a column not yet written hides behind rank `NEVER`."""
+    width = ranks.shape[1]
+    columns = pointers[:, None] + (torch.arange(width, device=ranks.device) + lengths[:, None]) % width
+    key_groups = key_groups.scatter(1, columns, groups)
+    key_ranks = torch.where(key_columns < (pointers + lengths)[:, None], key_columns, NEVER)
+    return columns, key_groups, attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, columns, dtype)
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """The decoder's tensor work between forwards that decodes through compiled forwards run compiled too: each
+    function's dozens of small operations become one call of generated code (on a GPU a kernel or a few, where each
+    operation was a launch). `EAGER_STEPS` holds the functions themselves, `compiled_steps()` them compiled."""
+
+    copy_drafts: Callable  # drafts copied from earlier text (`lookup_drafts`), written into the slots
+    static_mask: Callable  # where a forward's tokens go in a `SlotCache`, and their attention mask
+
+
+EAGER_STEPS = StepFunctions(copy_drafts, static_mask)
+
+
+@functools.cache
+def compiled_steps() -> StepFunctions:
+    """`StepFunctions` under torch.compile with dynamic shapes, made once a process: a function's graphs serve every
+    text length, cache length and width, save that dynamo gives sizes of one graphs of their own (one slot or
+    several, one row or several, one new token or several; `warm_up_steps`). Copying SmolLM2's drafts on an AMD Zen 4
+    (2 threads): 161 microseconds a call of `lookup_drafts` eagerly, 39 compiled."""
+    return StepFunctions(*(compile_step(function) for function in (copy_drafts, static_mask)))
+
+
+def compile_step(function: Callable) -> Callable:
+    """`function` under torch.compile with dynamic shapes and room for `RECOMPILE_LIMIT` graphs (dtypes, devices and
+    sizes of one multiply them past dynamo's default of 8; torch before 2.13 keeps that default, past which the calls
+    run eagerly: the same results, uncompiled)."""
+    try:
+        return torch.compile(function, dynamic=True, recompile_limit=RECOMPILE_LIMIT)
+    except TypeError:  # a torch.compile without `recompile_limit`
+        return torch.compile(function, dynamic=True)
+
+
+def step_functions(compiled: bool) -> StepFunctions:
+    """The decoder's step functions for a decode through compiled forwards (`compiled`) or eager ones."""
+    return compiled_steps() if compiled else EAGER_STEPS
+
+
+@torch.no_grad()  # (as decodes run: grad mode is among a graph's guards)
+def warm_up_copies(device, count: int, unknown: int) -> None:
+    """Compile `compiled_steps().copy_drafts` for `count` drafts on `device` now, for one slot and for several."""
+    slot_size = 4  # (any size above one: sizes are dynamic)
+    text = torch.zeros(4 * slot_size, dtype=torch.long, device=device)
+    for slots in (1, 2):
+        at = slot_size + torch.arange(slots * slot_size, device=device).view(slots, slot_size)
+        counts = torch.ones(slots, dtype=torch.long, device=device)
+        compiled_steps().copy_drafts(text, at, torch.zeros_like(at), counts, count, unknown)
 
 
 class SlotCache(Cache):
@@ -1693,11 +1750,13 @@ class CacheLayout:
         self.rows = live
         return live
 
-    def place(self, batch: dict, sizes: list[int]):
-        """Cache columns of the batch's new tokens (`sizes` per row, before left padding), and the rank and group of
-        every key they attend to."""
-        past = self.ranks.shape[1]
-        return past, torch.cat([self.ranks, batch["ranks"]], dim=1), torch.cat([self.groups, batch["groups"]], dim=1)
+    def mask(self, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
+        """The attention mask of the batch's new tokens (`sizes` per row, before left padding), appended after the
+        cache's columns."""
+        key_ranks = torch.cat([self.ranks, batch["ranks"]], dim=1)
+        key_groups = torch.cat([self.groups, batch["groups"]], dim=1)
+        return attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"],
+                              batch["parents"], self.ranks.shape[1], dtype)  # fmt: skip
 
     def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
         """After a forward: each row keeps its first `kept` new tokens (pending and accepted queries), the rest goes."""
@@ -1717,37 +1776,32 @@ class StaticLayout:
     new tokens at pointer[r] onwards, its left padding after them. The batch keeps its rows (finished rows run as
     padding), so shapes stay static."""
 
-    def __init__(self, cache: SlotCache, batch_size: int, device):
-        self.cache, self.pointers = cache, [0] * batch_size
+    def __init__(self, cache: SlotCache, batch_size: int, device, steps: StepFunctions | None = None):
+        self.cache, self.pointers, self.steps = cache, [0] * batch_size, steps or EAGER_STEPS
         self.columns = torch.arange(cache.max_cache_len, device=device)
         self.groups = torch.full((batch_size, cache.max_cache_len), PADDING["groups"], device=device)
 
     def batch_rows(self, live: list[int]) -> list[int]:
         return list(range(len(self.pointers)))
 
-    def place(self, batch: dict, sizes: list[int]):
-        width, device = batch["ids"].shape[1], self.columns.device
+    def mask(self, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
+        """The attention mask of the batch's new tokens (`sizes` per row, before left padding), which go to the cache
+        at its rows' pointers (`static_mask`)."""
+        width = batch["ids"].shape[1]
         if max(self.pointers) + width > self.cache.max_cache_len:
             raise RuntimeError(
                 f"The static cache ({self.cache.max_cache_len} columns) is too short for this forward: a row has "
                 f"{max(self.pointers)} stored tokens and {width} new ones. This is a bug in sizing the cache."
             )
-        pointers, lengths = upload([self.pointers, sizes], device)
-        columns = pointers[:, None] + (torch.arange(width, device=device) + lengths[:, None]) % width
-        self.cache.columns = columns
-        self.groups.scatter_(1, columns, batch["groups"])
-        written = self.columns < (pointers + lengths)[:, None]
-        return columns, torch.where(written, self.columns, NEVER), self.groups
+        pointers, lengths = upload([self.pointers, sizes], self.columns.device)
+        self.cache.columns, self.groups, mask = self.steps.static_mask(
+            pointers, lengths, self.columns, self.groups, batch["ranks"], batch["prefixes"], batch["groups"],
+            batch["parents"], dtype,
+        )  # fmt: skip
+        return mask
 
     def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
         self.pointers = [pointer + count for pointer, count in zip(self.pointers, kept)]
-
-
-def batch_mask(layout: CacheLayout | StaticLayout, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
-    """The attention mask of a padded `batch` whose rows bring `sizes` new tokens, placed in the cache by `layout`."""
-    columns, key_ranks, key_groups = layout.place(batch, sizes)
-    return attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"], batch["parents"],
-                          columns, dtype)  # fmt: skip
 
 
 def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.PathLike | None = None):
@@ -2027,8 +2081,10 @@ def execute(
     number of forwards."""
     device = decoders[0].device
     requests = [decoder.request() for decoder in decoders]
-    layout_type = StaticLayout if isinstance(cache, SlotCache) else CacheLayout
-    layout = layout_type(cache, len(decoders), device)
+    if isinstance(cache, SlotCache):
+        layout = StaticLayout(cache, len(decoders), device, decoders[0].steps)
+    else:
+        layout = CacheLayout(cache, len(decoders), device)
     # A forward runs at the width bucket priced cheapest for it (`ForwardPrices.run_width`); a measured price table
     # (not the caller's) learns what forwards over the kind of cache it was measured on took.
     pricing = decoders[0].prices if compiled is not None else None
@@ -2051,7 +2107,7 @@ def execute(
             name: left_padded([getattr(request, name) if request else empty for request in batch_requests], width, fill)
             for name, fill in PADDING.items()
         }
-        mask = batch_mask(layout, batch, sizes, model.dtype)
+        mask = layout.mask(batch, sizes, model.dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
         started = time.perf_counter()
         logits = run_model(model, graph, batch, mask, cache, num_logits)
@@ -2113,21 +2169,21 @@ def compile_forwards(
     """Compile the forward of every width bucket of `draft_schedule` now, over the static cache for `batch_size`
     rows and `max_cache_len` columns (`static_cache_columns`), so that later `generate(cache_implementation="static",
     compile_config=compile_config)` calls of that batch size and draft schedule whose cache fits compile nothing
-    (with `compile_cache_dir`, the same as theirs: load or compile and keep the saved forwards); with `lookup_drafts`,
-    the copying of that many drafts too (`compiled_lookup_drafts`). The forwards run on padding: what they write, the
-    mask of a decode hides."""
+    (with `compile_cache_dir`, the same as theirs: load or compile and keep the saved forwards), and their step
+    functions (`compiled_steps()`): the attention masks, and with `lookup_drafts` the copying of that many drafts. The
+    forwards run on padding: what they write, the mask of a decode hides."""
     cache = slot_cache(model, batch_size, max_cache_len)
     compiled = compiled_backbone(model, compile_config, compile_cache_dir)
-    layout = StaticLayout(cache, batch_size, model.device)
+    layout = StaticLayout(cache, batch_size, model.device, compiled_steps())
     with torch.no_grad():
         for width in width_buckets(draft_schedule):
             batch = {
                 name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
                 for name, value in PADDING.items()
             }
-            run_model(model, compiled, batch, batch_mask(layout, batch, [0] * batch_size, model.dtype), cache, 1)
+            run_model(model, compiled, batch, layout.mask(batch, [0] * batch_size, model.dtype), cache, 1)
         if lookup_drafts:
-            warm_up_lookup(model.device, lookup_drafts, model.config.mask_token_id)
+            warm_up_copies(model.device, lookup_drafts, model.config.mask_token_id)
 
 
 def measure_forward_prices(
@@ -2157,7 +2213,7 @@ def measure_forward_prices(
     def forward(width: int, num_logits: int, graph=compiled) -> float:
         batch = {name: torch.full((batch_size, width), value, dtype=torch.long, device=device)
                  for name, value in PADDING.items()}  # fmt: skip
-        mask = batch_mask(layout, batch, [0] * batch_size, model.dtype)
+        mask = layout.mask(batch, [0] * batch_size, model.dtype)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -2370,12 +2426,12 @@ def refusion_generate(
         elif settings.draft_schedule == "price":  # measured over the decode's own cache, or one like it
             priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
             prices = measured_prices(model, settings.compile_config, priced, compiled, buckets, prompt_width)
-        lookup = compiled_lookup_drafts() if compiled is not None and settings.lookup_drafts else lookup_drafts
+        steps = step_functions(compiled is not None)
         decoders = []
         for prompt in prompts:
             processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
             watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
-            decoders.append(SlotDecoder(prompt, settings, processors, watcher, prices, lookup))
+            decoders.append(SlotDecoder(prompt, settings, processors, watcher, prices, steps))
         if settings.use_cache:
             forwards = execute(model, decoders, cache, compiled, buckets)
         else:

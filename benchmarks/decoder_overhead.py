@@ -10,16 +10,20 @@ deciding, copying drafts from the text, building the next queries and the attent
 records the logits of every forward, then the same decode runs again with the recorded logits in place of the model
 (`generation_refusion.run_model`), so every decision is the same (the answers must be equal, or it stops) and the
 time is the decoder's own. The decode is greedy, batch 1, over the static cache, eager, with priced drafts at the
-given `--forward_prices` (no measuring; default: ratios measured on the AVX2 CPU) and the shipped settings otherwise.
+given `--forward_prices` (no measuring; default: ratios measured on the AVX2 CPU) and the shipped settings otherwise;
+it is replayed with the decoder's step functions eager and compiled (as decodes through compiled forwards run them:
+`generation_refusion.StepFunctions`), interleaved.
 Prints milliseconds per forward and per answer token (fastest of `--repeats` replays), the ATen operations the
 decoder dispatches per forward (each a kernel launch or more on a GPU: on an NVIDIA H200, where the decode's forwards
 ran as CUDA graphs, the decoder's 311 operations a forward cost it 2.1-2.5 ms, about 7 microseconds each;
-benchmarks/results/smollm2-h200-2026-12-04) and, with `--profile N`, the N functions of most own time in one replay
+benchmarks/results/smollm2-h200-2026-12-04), its calls of compiled step functions per forward (each a kernel or a
+few) and, with `--profile N`, the N functions of most own time in one replay with compiled step functions
 (cProfile).
 """
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import time
@@ -27,7 +31,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from finetune.chat import prompt_token_ids
 from recipe.decoding import DecodeRun, decode, decoder_module
@@ -39,18 +43,28 @@ AVX2_PRICES = {1: 1.0, 2: 0.93, 4: 1.34, 8: 2.38, 16: 6.2, 32: 12.1, 64: 24.1}
 
 
 @contextmanager
-def model_calls(model, call):
-    """Within it, the decoder of `model` runs its forwards through `call(run_model, *arguments)`."""
+def model_calls(model, call, compiled_steps: bool = False, counter: "CountedOperations | None" = None):
+    """Within it, the decoder of `model` runs its forwards through `call(run_model, *arguments)`, and its step
+    functions (`generation_refusion.StepFunctions`) compiled where `compiled_steps`, as decodes through compiled
+    forwards run them, else eagerly, as the eager forwards here would have them; with a `counter`, each call of a
+    compiled step function counts as one and runs outside it (dynamo compiles nothing under a dispatch mode)."""
     module = decoder_module(model)
-    run_model = module.run_model
+    run_model, step_functions = module.run_model, module.step_functions
+    steps = step_functions(compiled_steps)
+    if counter is not None and compiled_steps:
+        steps = dataclasses.replace(steps, **{
+            field.name: counter.outside(getattr(steps, field.name)) for field in dataclasses.fields(steps)
+        })  # fmt: skip
     module.run_model = lambda *arguments: call(run_model, *arguments)
+    module.step_functions = lambda compiled: steps
     try:
         yield
     finally:
-        module.run_model = run_model
+        module.run_model, module.step_functions = run_model, step_functions
 
 
-def recorded(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, **settings):
+def recorded(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, compiled_steps: bool = False,
+             **settings):  # fmt: skip
     """A decode of `prompts` and the logits of each of its forwards, in order."""
     tape = []
 
@@ -59,12 +73,13 @@ def recorded(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens:
         tape.append(logits.clone())
         return logits
 
-    with model_calls(model, record):
+    with model_calls(model, record, compiled_steps):
         run = decode(model, tokenizer, prompts, max_new_tokens, time_forwards=False, **settings)
     return run, tape
 
 
-def replayed(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Tensor], expected: DecodeRun, **settings):
+def replayed(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Tensor], expected: DecodeRun,
+             compiled_steps: bool = False, counter: "CountedOperations | None" = None, **settings):  # fmt: skip
     """The same decode with the `tape`'s logits in place of the model's forwards; returns its seconds. Raises if its
     answers differ from `expected`'s (the tape is not this decode's)."""
     position = iter(tape)
@@ -76,7 +91,7 @@ def replayed(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Te
             raise RuntimeError(refusal)
         return logits
 
-    with model_calls(model, replay):
+    with model_calls(model, replay, compiled_steps, counter):
         started = time.perf_counter()
         run = decode(model, tokenizer, prompts, max_new_tokens, time_forwards=False, **settings)
         seconds = time.perf_counter() - started
@@ -92,19 +107,33 @@ class CountedOperations(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.compiled_calls = 0  # calls of compiled code (`outside`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
 
+    def outside(self, compiled):
+        """`compiled` (a compiled function) run outside the count while it is on, each call counted in
+        `compiled_calls`."""
+
+        def call(*arguments):
+            self.compiled_calls += 1
+            with _disable_current_modes():
+                return compiled(*arguments)
+
+        return call
+
 
 def operations(model, tokenizer, prompts, max_new_tokens: int, tape: list[torch.Tensor], expected: DecodeRun,
-               **settings) -> int:  # fmt: skip
-    """The ATen operations the decoder dispatches in a replay of `tape` (`replayed`): on a GPU each is a kernel
-    launch at least, which is what the decoder's work between forwards cost there (see the module's docstring)."""
-    with CountedOperations() as counted:
-        replayed(model, tokenizer, prompts, max_new_tokens, tape, expected, **settings)
-    return counted.count
+               compiled_steps: bool = False, **settings) -> tuple[int, int]:  # fmt: skip
+    """The ATen operations the decoder dispatches in a replay of `tape` (`replayed`), and its calls of compiled step
+    functions: on a GPU each operation is a kernel launch at least, which is what the decoder's work between forwards
+    cost there (see the module's docstring); a compiled call, a launch or a few."""
+    counted = CountedOperations()
+    with counted:
+        replayed(model, tokenizer, prompts, max_new_tokens, tape, expected, compiled_steps, counted, **settings)
+    return counted.count, counted.compiled_calls
 
 
 def main() -> None:
@@ -127,22 +156,28 @@ def main() -> None:
     settings = dict(draft_schedule="price", forward_prices=args.forward_prices, lookup_drafts=args.lookup_drafts,
                     token_threshold=args.token_threshold, cache_implementation="static")  # fmt: skip
     run, tape = recorded(model, refusion_tokenizer, prompts, args.max_new_tokens, **settings)
-    seconds = min(
-        replayed(model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
-        for _ in range(max(args.repeats, 1))
-    )
-    counted = operations(model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
+    replay = (model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run)
+    replayed(*replay, compiled_steps=True, **settings)  # compiles the step functions (the decisions are the same)
+    seconds = {False: [], True: []}
+    for _ in range(max(args.repeats, 1)):  # interleaved
+        for compiled in seconds:
+            seconds[compiled].append(replayed(*replay, compiled_steps=compiled, **settings))
     tokens = sum(len(answer) for answer in run.answers)
     print(f"{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, batch 1, {model.dtype}, priced drafts, "
           f"lookup_drafts={args.lookup_drafts}, token_threshold={args.token_threshold}, "
-          f"{torch.get_num_threads()} threads; fastest of {args.repeats} replays")  # fmt: skip
-    print("| forwards | answer tokens | decoder seconds | ms per forward | ms per answer token | operations/forward |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {run.forwards} | {tokens} | {seconds:.3f} | {1000 * seconds / run.forwards:.2f} | "
-          f"{1000 * seconds / max(tokens, 1):.2f} | {counted / run.forwards:.0f} |")  # fmt: skip
+          f"{torch.get_num_threads()} threads; fastest of {args.repeats} replays, interleaved")  # fmt: skip
+    print("| step functions | forwards | answer tokens | decoder seconds | ms per forward | ms per answer token | "
+          "operations/forward | compiled calls/forward |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for compiled, times in seconds.items():
+        counted, calls = operations(*replay, compiled_steps=compiled, **settings)
+        best = min(times)
+        print(f"| {'compiled' if compiled else 'eager'} | {run.forwards} | {tokens} | {best:.3f} | "
+              f"{1000 * best / run.forwards:.2f} | {1000 * best / max(tokens, 1):.2f} | {counted / run.forwards:.0f} | "
+              f"{calls / run.forwards:.1f} |")  # fmt: skip
     if args.profile:
         profile = cProfile.Profile()
-        profile.runcall(replayed, model, refusion_tokenizer, prompts, args.max_new_tokens, tape, run, **settings)
+        profile.runcall(replayed, *replay, compiled_steps=True, **settings)
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
 

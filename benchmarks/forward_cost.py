@@ -42,7 +42,6 @@ from generation_refusion import (
     SlotCache,
     StaticLayout,
     attention_mask,
-    batch_mask,
     compiled_backbone,
     pad_width,
     run_model,
@@ -177,7 +176,7 @@ def static_compiled_times(
 
     def refusion_call(width: int, run_with=compiled) -> None:
         batch = causal_run(layout.pointers[0], pad_width(width, None if run_with is None else width_buckets("price")))
-        mask = batch_mask(layout, batch, [batch["ids"].shape[1]], refusion.dtype)
+        mask = layout.mask(batch, [batch["ids"].shape[1]], refusion.dtype)
         run_model(refusion, run_with, batch, mask, cache, width)
 
     refusion_call(cache_length, run_with=None)  # the cached past, computed eagerly

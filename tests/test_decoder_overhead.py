@@ -45,9 +45,25 @@ def test_the_decoder_s_operations_are_counted_without_the_model_s(model):
     tokenizer = tiny_tokenizer()
     with CountedOperations() as whole:
         run, tape = recorded(model, tokenizer, PROMPTS, 12, **SETTINGS)
-    counted = operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)
-    assert counted == operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)  # the same decisions
+    counted, calls = operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)
+    assert (counted, calls) == operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)  # the same decisions
+    assert calls == 0  # eager step functions
     with CountedOperations() as forwards:  # about what the recorded decode's forwards dispatched
         for _ in range(run.forwards):
             model(torch.tensor([PROMPTS[0]]))
     assert 10 * run.forwards < counted < whole.count - forwards.count // 2  # the decoder's alone
+
+
+def test_compiled_step_functions_replay_the_same_decisions_and_count_as_calls(model):
+    """Replayed with the step functions compiled (as decodes through compiled forwards run them), the decode makes
+    the recorded decisions; each forward's mask is one compiled call instead of its operations, and so are the
+    copies."""
+    tokenizer = tiny_tokenizer()
+    run, tape = recorded(model, tokenizer, PROMPTS, 12, **SETTINGS)
+    assert replayed(model, tokenizer, PROMPTS, 12, tape, run, compiled_steps=True, **SETTINGS) > 0
+    eager, _ = operations(model, tokenizer, PROMPTS, 12, tape, run, **SETTINGS)
+    counted, calls = operations(model, tokenizer, PROMPTS, 12, tape, run, compiled_steps=True, **SETTINGS)
+    assert calls > run.forwards  # a mask a forward, and copies
+    assert counted < eager - 10 * run.forwards
+    compiled_run, _ = recorded(model, tokenizer, PROMPTS, 12, compiled_steps=True, **SETTINGS)
+    assert compiled_run.answers == run.answers and compiled_run.forwards == run.forwards

@@ -10,12 +10,14 @@ from test_price_schedule import FLAT, STEEP, forward_queries
 
 import generation_refusion
 from generation_refusion import (
+    StepFunctions,
     check_decoding,
     compile_forwards,
-    compiled_lookup_drafts,
+    compiled_steps,
+    copy_drafts,
     lookup_drafts,
     static_cache_columns,
-    warm_up_lookup,
+    warm_up_copies,
 )
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -100,37 +102,54 @@ def test_copies_equal_the_definition_on_random_texts(ngram):
             assert drafts[row, : len(expected)].tolist() == expected, (text.tolist(), start)
 
 
-def test_the_compiled_lookup_copies_what_the_eager_one_does_and_compiles_two_graphs_up_front():
-    """Decodes through compiled forwards copy drafts through `compiled_lookup_drafts()`: one graph for one start, one
-    for more, whatever the text's length (dynamic shapes); `warm_up_lookup` compiles both."""
-    warm_up_lookup("cpu", 3, 0)
+def test_copies_are_written_after_the_accepted_tokens_of_each_slot():
+    """`copy_drafts` reads the text with each slot's accepted tokens in place and writes what follows the last
+    occurrence of the tokens before its first open position, as far as the slot goes."""
+    text = torch.tensor([5, 6, 7, 8, 9, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0])  # a prompt of 5, then two slots of 5; 0: open
+    at = torch.arange(5, 15).view(2, 5)
+    tokens = torch.tensor([[5, 6, 1, 2, 3], [4, 0, 0, 0, 0]])  # slot 0: two accepted, then drafts
+    drafts, found = copy_drafts(text, at, tokens, torch.tensor([2, 1]), 4, 0)
+    assert drafts.tolist() == [[5, 6, 7, 8, 9], [4, 0, 0, 0, 0]]  # slot 0 repeats the prompt; 4 occurs nowhere
+    assert found.tolist() == [3, 0]  # (only three places left in slot 0)
+    drafts, found = copy_drafts(text, at, tokens, torch.tensor([1, 1]), 2, 0)  # "5" alone: its last occurrence
+    assert drafts.tolist() == [[5, 6, 7, 2, 3], [4, 0, 0, 0, 0]] and found.tolist() == [2, 0]
+
+
+def test_the_compiled_copies_are_the_eager_ones_and_compile_two_graphs_up_front():
+    """Decodes through compiled forwards copy drafts through `compiled_steps()`: one graph for one slot, one for
+    more, whatever the text's length, slot size and draft count above one (dynamic shapes); `warm_up_copies`
+    compiles both."""
+    warm_up_copies("cpu", 3, 0)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     generator = torch.Generator().manual_seed(5)
-    for case in range(60):
-        length = int(torch.randint(2, 40, (1,), generator=generator))
-        text = torch.randint(0, 4, (length,), generator=generator)  # 0: unknown
-        starts = torch.randint(0, length + 1, (1 + case % 4,), generator=generator)
-        compiled, eager = compiled_lookup_drafts()(text, starts, 3, 0), lookup_drafts(text, starts, 3, 0)
-        assert torch.equal(compiled[1], eager[1]), (text.tolist(), starts.tolist())
-        for row, found in enumerate(eager[1].tolist()):  # the drafts past those found are not read
-            assert torch.equal(compiled[0][row, :found], eager[0][row, :found])
-    assert torch.equal(compiled_lookup_drafts()(torch.tensor([5, 6, 7, 5, 6]), torch.tensor([5]), 3, 0)[0],
-                       torch.tensor([[7, 5, 6]]))  # fmt: skip
+    with torch.no_grad():  # (as in a decode: grad mode is among a graph's guards)
+        for case in range(60):
+            slots, size = 1 + case % 4, 2 + case % 7
+            length = slots * size + int(torch.randint(1, 30, (1,), generator=generator))
+            text = torch.randint(0, 4, (length,), generator=generator)  # 0: unknown
+            start = int(torch.randint(0, length - slots * size + 1, (1,), generator=generator))
+            at = start + torch.arange(slots * size).view(slots, size)
+            tokens = torch.randint(0, 4, (slots, size), generator=generator)
+            counts = torch.randint(1, size + 1, (slots,), generator=generator)
+            compiled = compiled_steps().copy_drafts(text, at, tokens, counts, 3, 0)
+            eager = copy_drafts(text, at, tokens, counts, 3, 0)
+            assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1]), case
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 # ---- decoding ------------------------------------------------------------------------------------------------------
-def test_compiled_decodes_copy_through_the_compiled_lookup_and_give_the_eager_tokens(monkeypatch):
+def test_compiled_decodes_copy_through_the_compiled_copies_and_give_the_eager_tokens(monkeypatch):
     from test_static_cache import compile_config
 
     calls = []
-    compiled = compiled_lookup_drafts()
+    compiled = compiled_steps()
 
     def counted(*arguments):
-        calls.append(arguments[2])
-        return compiled(*arguments)
+        calls.append(arguments[4])
+        return compiled.copy_drafts(*arguments)
 
-    monkeypatch.setattr(generation_refusion, "compiled_lookup_drafts", lambda: counted)
+    steps = StepFunctions(counted, compiled.static_mask)
+    monkeypatch.setattr(generation_refusion, "compiled_steps", lambda: steps)
     model = cycling_model("llama")
     settings = dict(SETTINGS, lookup_drafts=4, cache_implementation="static", compile_config=compile_config())
     eager = model.generate(PROMPT, **{**settings, "compile_config": None})

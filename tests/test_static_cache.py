@@ -19,15 +19,16 @@ from generation_refusion import (
     SlotDecoder,
     StaticLayout,
     attention_mask,
-    batch_mask,
     compile_config_for,
     compile_forwards,
+    compiled_steps,
     execute,
     pad_width,
     resolve_settings,
     run_model,
     slot_cache,
     static_cache_columns,
+    static_mask,
     width_buckets,
 )
 
@@ -151,12 +152,50 @@ def test_compiled_forwards_give_the_same_tokens_and_compile_once():
     )  # fmt: skip
     prompts = [PROMPT, torch.tensor([[11, 12, 13]]), torch.tensor([[20, 21, 22, 23, 24, 25, 26, 27, 28]])]
     eager = [model.generate(prompt, **{**settings, "compile_config": None}) for prompt in prompts]
+    compile_masks(model.dtype)  # (shared by every model: compiled in whichever test asks first)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compile_forwards(model, settings["compile_config"], 1, static_cache_columns(9, 12, 4, 8))  # the longest prompt
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)  # one per width
     for prompt, expected in zip(prompts, eager):  # prompts of other lengths over that cache: nothing recompiles
         assert torch.equal(model.generate(prompt, **settings), expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)
+
+
+def mask_inputs(generator, rows: int, width: int, columns: int) -> tuple:
+    """Random `static_mask` arguments: stored tokens, new tokens (some rows padded), groups and ranks."""
+    pointers = torch.randint(0, columns - width + 1, (rows,), generator=generator)
+    lengths = torch.randint(0, width + 1, (rows,), generator=generator)
+    key_groups = torch.randint(-2, 4, (rows, columns), generator=generator)
+    ranks, prefixes = (torch.randint(0, columns, (rows, width), generator=generator) for _ in range(2))
+    groups, parents = (torch.randint(-3, 4, (rows, width), generator=generator) for _ in range(2))
+    return pointers, lengths, torch.arange(columns), key_groups, ranks, prefixes, groups, parents
+
+
+@torch.no_grad()  # (as in a decode: grad mode is among a graph's guards)
+def compile_masks(dtype, batch_sizes=(1,)) -> None:
+    """Compile `compiled_steps().static_mask` for masks of `dtype` over `batch_sizes` rows, of one new token and of
+    several."""
+    generator = torch.Generator().manual_seed(0)
+    for rows in batch_sizes:
+        for width in (1, 2):
+            compiled_steps().static_mask(*mask_inputs(generator, rows, width, 16), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_compiled_static_mask_is_the_eager_one_and_compiles_up_front(dtype):
+    """Decodes through compiled forwards place their tokens and build their masks through `compiled_steps()`: one
+    graph for each of one row or several and one new token or several, whatever the width and cache length."""
+    compile_masks(dtype, batch_sizes=(1, 2))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for case in range(40):
+            rows, width, columns = 1 + case % 3, 1 + case % 9, 16 + 8 * (case % 4)
+            inputs = mask_inputs(generator, rows, width, columns)
+            compiled, eager = compiled_steps().static_mask(*inputs, dtype), static_mask(*inputs, dtype)
+            for got, expected in zip(compiled, eager):
+                assert torch.equal(got, expected), (rows, width, columns)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("options", [dict(repetition_penalty=1.5), dict(do_sample=True, top_k=5)])
@@ -295,12 +334,12 @@ def causal_forward(model, compiled, width: int) -> tuple[torch.Tensor, torch.Ten
         ranks = torch.arange(span.start, span.stop)[None]
         batch = dict(ids=ids[:, span], positions=ranks, ranks=ranks, prefixes=ranks, groups=torch.zeros_like(ranks),
                      parents=torch.full_like(ranks, NO_GROUP))  # fmt: skip
-        mask = batch_mask(layout, batch, [ranks.shape[1]], model.dtype)
+        mask = layout.mask(batch, [ranks.shape[1]], model.dtype)
         outputs.append(run_model(model, run_with, batch, mask, cache, ranks.shape[1]))
         layout.keep(batch, [ranks.shape[1]], [ranks.shape[1]])
     inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
     layout.pointers = [6]  # the same forward again, straight through the compiled backbone
-    mask = batch_mask(layout, batch, [width], model.dtype)
+    mask = layout.mask(batch, [width], model.dtype)
     return compiled(**{**inputs, "attention_mask": mask}, use_cache=True), outputs[1]
 
 
