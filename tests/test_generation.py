@@ -1,5 +1,6 @@
 """ReFusion decoding: well-formed output, cached == recomputed, exact cache contents, forward counts, errors."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -256,7 +257,10 @@ def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model,
     )  # fmt: skip
     calls = []
     scored = generation_refusion.greedy_distributions
-    monkeypatch.setattr(generation_refusion, "greedy_distributions", lambda *args: calls.append(1) or scored(*args))
+    counted = dataclasses.replace(
+        generation_refusion.EAGER_STEPS, greedy_distributions=lambda *args: calls.append(1) or scored(*args)
+    )
+    monkeypatch.setattr(generation_refusion, "EAGER_STEPS", counted)
     at_once = model.generate(PROMPT, **settings)
     assert len(calls) == at_once.num_forward_passes
     created = SlotDecoder.__init__

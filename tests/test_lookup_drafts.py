@@ -2,6 +2,8 @@
 followed an earlier occurrence of the last tokens are drafted and checked as any draft is. Only the forwards change
 where a passing draft must be the model's own token; the cache paths, batching and the price schedule stay exact."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_batching import assert_exact_everywhere
@@ -10,7 +12,6 @@ from test_price_schedule import FLAT, STEEP, forward_queries
 
 import generation_refusion
 from generation_refusion import (
-    StepFunctions,
     check_decoding,
     compile_forwards,
     compiled_steps,
@@ -148,7 +149,7 @@ def test_compiled_decodes_copy_through_the_compiled_copies_and_give_the_eager_to
         calls.append(arguments[4])
         return compiled.copy_drafts(*arguments)
 
-    steps = StepFunctions(counted, compiled.static_mask)
+    steps = dataclasses.replace(compiled, copy_drafts=counted)
     monkeypatch.setattr(generation_refusion, "compiled_steps", lambda: steps)
     model = cycling_model("llama")
     settings = dict(SETTINGS, lookup_drafts=4, cache_implementation="static", compile_config=compile_config())

@@ -29,6 +29,7 @@ from generation_refusion import (
     slot_cache,
     static_cache_columns,
     static_mask,
+    warm_up_steps,
     width_buckets,
 )
 
@@ -152,7 +153,8 @@ def test_compiled_forwards_give_the_same_tokens_and_compile_once():
     )  # fmt: skip
     prompts = [PROMPT, torch.tensor([[11, 12, 13]]), torch.tensor([[20, 21, 22, 23, 24, 25, 26, 27, 28]])]
     eager = [model.generate(prompt, **{**settings, "compile_config": None}) for prompt in prompts]
-    compile_masks(model.dtype)  # (shared by every model: compiled in whichever test asks first)
+    compile_masks(model.dtype)  # the step functions, shared by every model (compiled in whichever test asks first)
+    warm_up_steps(model)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compile_forwards(model, settings["compile_config"], 1, static_cache_columns(9, 12, 4, 8))  # the longest prompt
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)  # one per width
@@ -195,6 +197,27 @@ def test_the_compiled_static_mask_is_the_eager_one_and_compiles_up_front(dtype):
             compiled, eager = compiled_steps().static_mask(*inputs, dtype), static_mask(*inputs, dtype)
             for got, expected in zip(compiled, eager):
                 assert torch.equal(got, expected), (rows, width, columns)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_compiled_scoring_picks_the_eager_tokens_and_compiles_up_front():
+    """Greedy decodes through compiled forwards score each forward's logits through `compiled_steps()`: the same
+    greedy tokens as `greedy_distributions` and its probabilities to float tolerance, from one graph for one row and
+    one for several (`warm_up_steps`), whatever the number of rows."""
+    model = sharpened_model("qwen3", scale=4.0)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 7, 12):
+            logits = 4 * torch.randn(rows, vocab, generator=generator, dtype=model.dtype)
+            logits[0, mask_token_id] = 100.0  # never picked
+            logits[-1, 5] = logits[-1, 9] = logits[-1].max() + 1  # a tie: the first one wins
+            compiled = compiled_steps().greedy_distributions(logits, mask_token_id)
+            eager = generation_refusion.greedy_distributions(logits, mask_token_id)
+            assert torch.equal(compiled[1], eager[1]) and compiled[1][-1] == 5 and compiled[1][0] != mask_token_id
+            torch.testing.assert_close(compiled[0], eager[0])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
