@@ -943,26 +943,37 @@ class AcceptanceProfile:
     def __init__(self, slot_size: int, device, prior: float = 0.5):
         self.prior = prior
         self.offsets = torch.arange(slot_size, device=device)
-        self.offered = torch.zeros(2, slot_size, dtype=torch.long, device=device)
-        self.accepted = torch.zeros_like(self.offered)
-        self.runs = torch.zeros(2, dtype=torch.long, device=device)
+        self.counted = torch.zeros(4, dtype=torch.long, device=device)  # what `totals` gives
+        self.checks: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per source: each check's marks
         self.forwards = 0
         self.known = [0, 0, 0, 0]
 
     def add(self, source: int, checked: torch.Tensor, run_end: torch.Tensor) -> None:
         """One forward's check: `checked` (`[slots, slot_size]`) marks the drafts it scored, `run_end` the offset of
         each slot's first rejected draft (`slot_size` when none): a draft counts as offered up to it, accepted
-        before it."""
-        offered = checked & (self.offsets <= run_end[:, None])
-        self.offered[source] += offered.sum(dim=0)
-        self.accepted[source] += (offered & (self.offsets < run_end[:, None])).sum(dim=0)
-        self.runs[source] += offered.any(dim=1).sum()
+        before it. (The totals are added up at once; the marks are kept for the tables by offset, `tables`.)"""
+        ends = run_end[:, None]
+        marks = torch.stack([self.offsets <= ends, self.offsets < ends]) & checked  # offered, accepted
+        self.counted[2 * source : 2 * source + 2].add_(marks.sum(dim=(1, 2)))
+        self.checks[source].append(marks)
         self.forwards += 1
 
     def totals(self) -> torch.Tensor:
         """Offered and accepted drafts of each source, `[PLAN offered, PLAN accepted, REDRAFT offered, REDRAFT
         accepted]`, on the device: what `known` is read from."""
-        return torch.stack([self.offered.sum(dim=1), self.accepted.sum(dim=1)], dim=1).flatten()
+        return self.counted
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drafts offered and accepted by source and slot offset (`[2, slot_size]` each), and the checks that
+        offered any by source."""
+        offered = torch.zeros(2, self.offsets.shape[0], dtype=torch.long, device=self.offsets.device)
+        accepted, runs = torch.zeros_like(offered), torch.zeros_like(offered[:, 0])
+        for source, checks in enumerate(self.checks):
+            if checks:
+                marks = torch.cat(checks, dim=1)
+                offered[source], accepted[source] = marks.sum(dim=1)
+                runs[source] = marks[0].any(dim=1).sum()
+        return offered, accepted, runs
 
     def rate(self, source: int) -> float:
         """The share of `source`'s offered drafts that passed, as the host last read them, with two drafts counted in
@@ -973,10 +984,11 @@ class AcceptanceProfile:
     @staticmethod
     def output_fields(profiles: list["AcceptanceProfile"]) -> dict:
         """The `RefusionGenerateOutput` fields of `profiles` summed over rows."""
+        offered, accepted, runs = (sum(tables) for tables in zip(*(profile.tables() for profile in profiles)))
         return {
-            "draft_offered": sum(profile.offered for profile in profiles),
-            "draft_accepted": sum(profile.accepted for profile in profiles),
-            "draft_runs": sum(profile.runs for profile in profiles),
+            "draft_offered": offered,
+            "draft_accepted": accepted,
+            "draft_runs": runs,
             "verify_forwards": sum(profile.forwards for profile in profiles),
         }
 
