@@ -652,6 +652,7 @@ def accept_and_correct(
     redrafts: torch.Tensor,
     threshold: float,
     checked_until: torch.Tensor | None = None,
+    rejected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fast verification of the drafts after the first `counts` (already accepted) tokens of each slot.
 
@@ -659,11 +660,12 @@ def accept_and_correct(
     position i, both from the logits of position i - 1; they exist below `checked_until` (default: the whole slot).
     The passing drafts are kept, the model's token replaces the first rejected one, and the positions after it take
     `redrafts`; when every checked draft passes, no position past them is accepted. Returns the new tokens and
-    accepted counts."""
+    accepted counts. (`rejected`: `first_rejected` of these arguments, where the caller has it already.)"""
     offsets = torch.arange(tokens.shape[1], device=tokens.device)
     if checked_until is None:
         checked_until = torch.full_like(counts, tokens.shape[1])
-    rejected = first_rejected(counts, ar_probability, threshold, checked_until)
+    if rejected is None:
+        rejected = first_rejected(counts, ar_probability, threshold, checked_until)
     corrected = torch.where(offsets == rejected[:, None], ar_tokens, redrafts)
     tokens = torch.where(offsets < rejected[:, None], tokens, corrected)
     return tokens, torch.where(rejected < checked_until, rejected + 1, rejected)
@@ -674,6 +676,30 @@ def accept_reference(counts: torch.Tensor, ar_probability: torch.Tensor, thresho
     after it while their probability (from the previous position's logits) passes. Returns the new counts."""
     offsets = torch.arange(ar_probability.shape[1], device=ar_probability.device)
     return accepted_lengths((offsets <= counts[:, None]) | passes(ar_probability, threshold))
+
+
+def judge_infill(
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    until: torch.Tensor,
+    checked: torch.Tensor,
+    ar_probability: torch.Tensor,
+    ar_tokens: torch.Tensor,
+    redrafts: torch.Tensor | None,
+    eos: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fast-rule infill round's decision for slots' `tokens` (`[slots, slot_size]`) with `counts` accepted and
+    the positions `checked` (a mask, below `until`) scored: `accept_and_correct`'s new tokens and counts (`redrafts`
+    None: the model's own tokens), their EOS offsets (`eos_offsets`) and the check's marks for
+    `AcceptanceProfile.record` (offered drafts, accepted ones: `[2, slots, slot_size]`). (No two tensor arguments
+    are one tensor: compiled, that would be a graph of its own.)"""
+    redrafts = ar_tokens if redrafts is None else redrafts
+    rejected = first_rejected(counts, ar_probability, threshold, until)
+    tokens, counts = accept_and_correct(tokens, counts, ar_probability, ar_tokens, redrafts, threshold, until, rejected)
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    marks = torch.stack([offsets <= rejected[:, None], offsets < rejected[:, None]]) & checked
+    return tokens, counts, eos_offsets(tokens, counts, eos), marks
 
 
 def lookup_drafts(
@@ -953,7 +979,10 @@ class AcceptanceProfile:
         each slot's first rejected draft (`slot_size` when none): a draft counts as offered up to it, accepted
         before it. (The totals are added up at once; the marks are kept for the tables by offset, `tables`.)"""
         ends = run_end[:, None]
-        marks = torch.stack([self.offsets <= ends, self.offsets < ends]) & checked  # offered, accepted
+        self.record(source, torch.stack([self.offsets <= ends, self.offsets < ends]) & checked)
+
+    def record(self, source: int, marks: torch.Tensor) -> None:
+        """One forward's check as its `marks` (`[2, slots, slot_size]`): the drafts offered, the drafts accepted."""
         self.counted[2 * source : 2 * source + 2].add_(marks.sum(dim=(1, 2)))
         self.checks[source].append(marks)
         self.forwards += 1
@@ -1072,7 +1101,9 @@ class SlotDecoder:
         self.text = torch.cat([prompt, masks])
         self.answer = self.text[prompt.shape[0] :]
         self.drafts = self.answer.clone()
-        self.eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=self.device)
+        # the EOS ids, and two that no token has: so that the tensor's size is never 0 or 1, which compiled step
+        # functions would take as graphs of their own
+        self.eos = torch.tensor([*settings.eos_token_ids, -1, -1], dtype=torch.long, device=self.device)
         self.status = [self.MASKED] * self.num_slots
         self.end = self.answer.shape[0]  # answer length; moves to just after the first committed EOS
         self.record = StoredSequence(self.device)
@@ -1292,19 +1323,18 @@ class SlotDecoder:
         row_of.view(-1)[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
         ar_tokens, ar_probability = self._ar_check(logits, source.flatten()[checked], state.tokens, index, checked)
-        redrafts = ar_tokens
+        redrafts = None  # the model's own tokens
         if len(parts) == 3:  # fused: the [MASK] queries' drafts
             mask_rows = torch.arange(num_fresh, len(logits) - num_queried, device=self.device)
             redrafts = state.tokens.clone()
             redrafts.view(-1)[checked] = self._pick(logits, mask_rows, index.flatten()[checked], state.tokens,
                                                     checked)[0]  # fmt: skip
-        counts, until = read["counts"], read["until"]
-        run_end = first_rejected(counts, ar_probability, self.settings.token_threshold, until)
-        self.profile.add(AcceptanceProfile.REDRAFT, read["checked_mask"], run_end)
-        read["tokens"], counts = accept_and_correct(
-            state.tokens, counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold, until
-        )
-        values = [counts, eos_offsets(read["tokens"], counts, self.eos)]
+        read["tokens"], counts, eos, marks = self.steps.judge_infill(
+            state.tokens, read["counts"], read["until"], read["checked_mask"], ar_probability, ar_tokens, redrafts,
+            self.eos, self.settings.token_threshold,
+        )  # fmt: skip
+        self.profile.record(AcceptanceProfile.REDRAFT, marks)
+        values = [counts, eos]
         if self.settings.lookup_drafts:
             read["tokens"], found = self._look_up(index, read["tokens"], counts)
             values.append(found)
@@ -1657,9 +1687,10 @@ class StepFunctions:
     copy_drafts: Callable  # drafts copied from earlier text (`lookup_drafts`), written into the slots
     static_mask: Callable  # where a forward's tokens go in a `SlotCache`, and their attention mask
     greedy_distributions: Callable  # a forward's token distributions and greedy tokens, for greedy decoding
+    judge_infill: Callable  # the decision of a fast-rule infill round
 
 
-EAGER_STEPS = StepFunctions(copy_drafts, static_mask, greedy_distributions)
+EAGER_STEPS = StepFunctions(copy_drafts, static_mask, greedy_distributions, judge_infill)
 
 
 @functools.cache
@@ -1669,7 +1700,7 @@ def compiled_steps() -> StepFunctions:
     or several, one row or several, one new token or several; `warm_up_steps`), and so do dtypes and devices. SmolLM2
     on an AMD Zen 4 (2 threads), microseconds a call, eager against compiled: copying drafts 180 / 39, a mask over 256
     columns 64 / 36, scoring a forward's logits 96 / 54 for one row, 85 / 88 for two, 221 / 250 for eight."""
-    return StepFunctions(*(compile_step(function) for function in (copy_drafts, static_mask, greedy_distributions)))
+    return StepFunctions(*(compile_step(getattr(EAGER_STEPS, field)) for field in StepFunctions.__dataclass_fields__))
 
 
 def compile_step(function: Callable) -> Callable:
@@ -1689,12 +1720,19 @@ def step_functions(compiled: bool) -> StepFunctions:
 
 @torch.no_grad()  # (as decodes run: grad mode is among a graph's guards)
 def warm_up_steps(model, lookup_drafts: int = 0) -> None:
-    """Compile `compiled_steps()`'s scoring of `model`'s logits now (one row and several), and with `lookup_drafts`
-    the copying of that many drafts (one slot and several). The masks compile with the forwards (`compile_forwards`)."""
+    """Compile `compiled_steps()`'s scoring of `model`'s logits (one row and several) and its infill decisions (one
+    slot and several) now, and with `lookup_drafts` the copying of that many drafts (one slot and several). The masks
+    compile with the forwards (`compile_forwards`)."""
     device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
+    steps, eos = compiled_steps(), torch.tensor([2, -1, -1], device=device)  # (as `SlotDecoder.eos`)
     for rows in (1, 2):
         logits = torch.zeros(rows, vocab, dtype=model.dtype, device=device)
-        compiled_steps().greedy_distributions(logits, model.config.mask_token_id)
+        probabilities, _ = steps.greedy_distributions(logits, model.config.mask_token_id)
+        tokens = torch.zeros(rows, 4, dtype=torch.long, device=device)
+        counts = torch.ones(rows, dtype=torch.long, device=device)  # (`ones_like` of a column keeps its stride)
+        probability = probabilities[:, :4].clone()
+        for redrafts in (None, tokens + 1):  # the model's own tokens, or `[MASK]` queries' (`fused_redraft`)
+            steps.judge_infill(tokens, counts, counts + 2, tokens == 0, probability, tokens + 2, redrafts, eos, 0.5)
     if lookup_drafts:
         warm_up_copies(device, lookup_drafts, model.config.mask_token_id)
 

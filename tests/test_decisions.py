@@ -9,6 +9,7 @@ from generation_refusion import (
     choose_slots,
     eos_offsets,
     first_argmax,
+    first_rejected,
     greedy_distributions,
     leading_complete,
     pick_tokens,
@@ -51,6 +52,10 @@ def test_fast_check_keeps_passing_drafts_takes_the_models_token_at_the_first_rej
     new_tokens, new_counts = accept_and_correct(tokens, counts, probability, own, redrafts, threshold=0.5)
     assert new_tokens.tolist() == [[10, 11, 32, 43, 44], [20, 21, 22, 23, 24]]
     assert new_counts.tolist() == [3, 5]
+    rejected = first_rejected(counts, probability, 0.5)  # given by a caller that has it: the same decision
+    assert first_rejected(counts, probability, 0.5).tolist() == [2, 5]
+    again = accept_and_correct(tokens, counts, probability, own, redrafts, 0.5, rejected=rejected)
+    assert again[0].tolist() == new_tokens.tolist() and again[1].tolist() == new_counts.tolist()
 
 
 def test_already_accepted_tokens_are_never_rechecked():

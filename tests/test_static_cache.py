@@ -15,14 +15,19 @@ from generation_refusion import (
     NARROW_BUCKETS,
     NO_GROUP,
     WIDTH_BUCKETS,
+    AcceptanceProfile,
     SlotCache,
     SlotDecoder,
     StaticLayout,
+    accept_and_correct,
     attention_mask,
     compile_config_for,
     compile_forwards,
     compiled_steps,
+    eos_offsets,
     execute,
+    first_rejected,
+    judge_infill,
     pad_width,
     resolve_settings,
     run_model,
@@ -218,6 +223,44 @@ def test_the_compiled_scoring_picks_the_eager_tokens_and_compiles_up_front():
             eager = generation_refusion.greedy_distributions(logits, mask_token_id)
             assert torch.equal(compiled[1], eager[1]) and compiled[1][-1] == 5 and compiled[1][0] != mask_token_id
             torch.testing.assert_close(compiled[0], eager[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_infill_decision_is_its_parts_and_compiled_is_the_eager_one():
+    """`judge_infill` decides as `first_rejected`, `accept_and_correct`, `eos_offsets` and `AcceptanceProfile.add`
+    do; compiled (`compiled_steps()`, as decodes through compiled forwards run it) it decides the same, from the
+    graphs `warm_up_steps` compiled (one slot or several; redrafts of their own or the model's tokens)."""
+    model = sharpened_model("llama", scale=4.0)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for case in range(40):
+            slots, size = 1 + case % 3, (4, 8)[case % 2]
+            tokens = torch.randint(0, 6, (slots, size), generator=generator)
+            counts = torch.randint(1, size, (slots,), generator=generator)
+            until = torch.minimum(counts + torch.randint(1, size, (slots,), generator=generator), torch.tensor(size))
+            offsets = torch.arange(size)
+            checked = (offsets >= counts[:, None]) & (offsets < until[:, None])
+            probability = torch.rand(slots, size, generator=generator, dtype=torch.float64)
+            own, redrafts = (torch.randint(0, 6, (slots, size), generator=generator) for _ in range(2))
+            redrafts = redrafts if case % 4 < 2 else None
+            eos = torch.tensor([3, -1, -1] if case % 3 else [-1, -1])
+            eager = judge_infill(tokens, counts, until, checked, probability, own, redrafts, eos, 0.4)
+            compiled = compiled_steps().judge_infill(tokens, counts, until, checked, probability, own, redrafts, eos,
+                                                     0.4)  # fmt: skip
+            assert all(torch.equal(got, expected) for got, expected in zip(compiled, eager)), case
+            rejected = first_rejected(counts, probability, 0.4, until)
+            expected_tokens, expected_counts = accept_and_correct(
+                tokens, counts, probability, own, own if redrafts is None else redrafts, 0.4, until
+            )
+            assert torch.equal(eager[0], expected_tokens) and torch.equal(eager[1], expected_counts)
+            assert torch.equal(eager[2], eos_offsets(expected_tokens, expected_counts, eos))
+            added, recorded = (AcceptanceProfile(size, "cpu") for _ in range(2))
+            added.add(AcceptanceProfile.REDRAFT, checked, rejected)
+            recorded.record(AcceptanceProfile.REDRAFT, eager[3])
+            assert torch.equal(added.totals(), recorded.totals())
+            assert all(torch.equal(a, b) for a, b in zip(added.tables(), recorded.tables()))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
