@@ -847,81 +847,89 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 
 # ---- the passive record of one row ---------------------------------------------------------------------------------
+FIELDS = ("ids", "positions", "ranks", "prefixes", "groups", "parents")  # what a forward's token carries, in order
+
+
 @dataclass
 class Queries:
-    """Tokens of one forward after what is stored. Each token sees the stored tokens ranked below its `prefix`, the
-    earlier tokens of its own group, and those of its `parent` group (a `[MASK]` query, the slot it drafts for)."""
+    """Tokens of one forward after what is stored, as the rows of one `[6, n]` tensor (`FIELDS`: token ids, RoPE
+    positions, ranks, prefixes, groups, parents; the ranks row is set when requested). Each token sees the stored
+    tokens ranked below its `prefix`, the earlier tokens of its own group, and those of its `parent` group (a `[MASK]`
+    query, the slot it drafts for)."""
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    prefixes: torch.Tensor
-    groups: torch.Tensor
-    parents: torch.Tensor
+    fields: torch.Tensor
+
+    @classmethod
+    def of(cls, ids, positions, prefixes, groups, parents) -> "Queries":
+        return cls(torch.stack([ids, positions, ids, prefixes, groups, parents]))  # (ranks: a placeholder)
 
     @classmethod
     def causal(cls, ids: torch.Tensor, positions: torch.Tensor, start: int, group: int) -> "Queries":
         """A run in which each token sees everything before it."""
-        prefixes = start + torch.arange(ids.shape[0], device=ids.device)
-        return cls(ids, positions, prefixes, torch.full_like(ids, group), torch.full_like(ids, NO_GROUP))
+        prefixes = torch.arange(start, start + ids.shape[0], device=ids.device)
+        return cls.of(ids, positions, prefixes, torch.full_like(ids, group), torch.full_like(ids, NO_GROUP))
 
     @classmethod
     def cat(cls, parts: list["Queries"]) -> "Queries":
-        return cls(*(torch.cat([getattr(part, name) for part in parts]) for name in cls.__dataclass_fields__))
+        return cls(torch.cat([part.fields for part in parts], dim=1))
 
     def __len__(self) -> int:
-        return self.ids.shape[0]
+        return self.fields.shape[1]
 
 
 @dataclass(frozen=True)
 class Request:
-    """One row's new tokens for one forward: `len - num_queries` pending stored tokens, then the queries."""
+    """One row's new tokens for one forward: `len - num_queries` pending stored tokens, then the queries; `fields`
+    holds them as `Queries` does, ranks (storage indices) set."""
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    ranks: torch.Tensor  # storage index of each token in its row
-    prefixes: torch.Tensor
-    groups: torch.Tensor
-    parents: torch.Tensor
+    fields: torch.Tensor
     num_queries: int
 
     def __len__(self) -> int:
-        return self.ids.shape[0]
+        return self.fields.shape[1]
 
 
 class StoredSequence:
-    """What one row has stored, in storage order, and how far the KV cache holds it."""
+    """What one row has stored, in storage order (as `Queries` fields), and how far the KV cache holds it. A stored
+    token's parent is always `NO_GROUP` (only `[MASK]` queries have parents, and they are never stored)."""
 
     def __init__(self, device):
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        self.ids = self.positions = self.prefixes = self.groups = empty
+        self.fields = torch.zeros((len(FIELDS), 0), dtype=torch.long, device=device)
         self.computed = 0  # leading tokens whose K/V are in the cache
         self.kept = 0  # queries of the last request that stayed
 
     def __len__(self) -> int:
-        return self.ids.shape[0]
+        return self.fields.shape[1]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.fields[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.fields[1]
+
+    @property
+    def prefixes(self) -> torch.Tensor:
+        return self.fields[3]
+
+    @property
+    def groups(self) -> torch.Tensor:
+        return self.fields[4]
 
     def append(self, queries: Queries, computed: bool = False) -> None:
         """Store tokens (whose K/V the next forward computes, unless `computed`)."""
-        for name in ("ids", "positions", "prefixes", "groups"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(queries, name)]))
+        self.fields = torch.cat([self.fields, queries.fields], dim=1)
         if computed:
             self.computed = len(self)
 
     def request(self, queries: Queries, recompute: bool) -> Request:
         """The request for one forward: the pending tokens (all stored tokens when `recompute`) then `queries`."""
         start = 0 if recompute else self.computed
-        device = self.ids.device
-        request = Request(
-            ids=torch.cat([self.ids[start:], queries.ids]),
-            positions=torch.cat([self.positions[start:], queries.positions]),
-            ranks=torch.arange(start, len(self) + len(queries), device=device),
-            prefixes=torch.cat([self.prefixes[start:], queries.prefixes]),
-            groups=torch.cat([self.groups[start:], queries.groups]),
-            parents=torch.cat([torch.full_like(self.ids[start:], NO_GROUP), queries.parents]),
-            num_queries=len(queries),
-        )
+        fields = torch.cat([self.fields[:, start:], queries.fields], dim=1)
+        fields[FIELDS.index("ranks")] = torch.arange(start, len(self) + len(queries), device=fields.device)
         self.computed, self.kept = len(self), 0
-        return request
+        return Request(fields, num_queries=len(queries))
 
     def keep(self, queries: Queries) -> None:
         """The leading `queries` of the request just run stay in the sequence with the K/V it computed."""
@@ -1623,10 +1631,10 @@ class SlotDecoder:
         ids = tokens.flatten()[at]
         parent_of = torch.full_like(ids, NO_GROUP) if parents is None else parents[rows]
         rope_positions = index.flatten()[at] + self.prompt.shape[0]
-        return Queries(ids, rope_positions, torch.full_like(ids, state.prefix), groups[rows], parent_of)
+        return Queries.of(ids, rope_positions, torch.full_like(ids, state.prefix), groups[rows], parent_of)
 
     def _in_group(self, ids, index, prefix: int, group: int) -> Queries:
-        return Queries(ids, index + self.prompt.shape[0], torch.full_like(ids, prefix), torch.full_like(ids, group),
+        return Queries.of(ids, index + self.prompt.shape[0], torch.full_like(ids, prefix), torch.full_like(ids, group),
                        torch.full_like(ids, NO_GROUP))  # fmt: skip
 
     def _causal(self, ids: torch.Tensor, index: torch.Tensor) -> Queries:
@@ -2167,10 +2175,8 @@ def execute(
         if graph_buckets is not None and pricing is not None:
             width = pricing.run_width(width)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
-        batch = {
-            name: left_padded([getattr(request, name) if request else empty for request in batch_requests], width, fill)
-            for name, fill in PADDING.items()
-        }
+        fields = [request.fields.unbind() if request else (empty,) * len(FIELDS) for request in batch_requests]
+        batch = {name: left_padded([row[i] for row in fields], width, PADDING[name]) for i, name in enumerate(FIELDS)}
         mask = layout.mask(batch, sizes, model.dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
         started = time.perf_counter()
