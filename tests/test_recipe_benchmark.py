@@ -276,10 +276,12 @@ def test_compile_refusion_compiles_the_forwards_the_loaded_decoder_then_reuses(t
     config.update(**settings)
     graphs = compiled_graphs()
     assert compile_refusion(loaded, prompts, 10, options["compile_config"], generation_config=config) > 0
-    assert compiled_graphs() - graphs == len(module.WIDTH_BUCKETS)
+    warmed = compiled_graphs()
+    # a graph per width bucket, and the loaded module's own step functions' (its functions are not this package's)
+    assert warmed - graphs > len(module.WIDTH_BUCKETS)
     compiled = decode(loaded, tokenizer, prompts, max_new_tokens=10, time_forwards=False, **options, **settings)
     assert compiled.answers == eager.answers
-    assert compiled_graphs() - graphs == len(module.WIDTH_BUCKETS)  # nothing compiled in the decode
+    assert compiled_graphs() == warmed  # nothing compiled in the decode
 
 
 def test_compiled_refusion_with_freeze_asks_for_freezing_beside_the_mode():
