@@ -697,9 +697,15 @@ def judge_infill(
     redrafts = ar_tokens if redrafts is None else redrafts
     rejected = first_rejected(counts, ar_probability, threshold, until)
     tokens, counts = accept_and_correct(tokens, counts, ar_probability, ar_tokens, redrafts, threshold, until, rejected)
-    offsets = torch.arange(tokens.shape[1], device=tokens.device)
-    marks = torch.stack([offsets <= rejected[:, None], offsets < rejected[:, None]]) & checked
-    return tokens, counts, eos_offsets(tokens, counts, eos), marks
+    return tokens, counts, eos_offsets(tokens, counts, eos), draft_marks(checked, rejected)
+
+
+def draft_marks(checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
+    """The drafts a check offered and those it accepted, `[2, slots, slot_size]`: of the `checked` ones, those up to
+    each slot's first rejected draft (at offset `run_end`, `slot_size` when none), and those before it."""
+    offsets = torch.arange(checked.shape[1], device=checked.device)
+    ends = run_end[:, None]
+    return torch.stack([offsets <= ends, offsets < ends]) & checked
 
 
 def lookup_drafts(
@@ -847,7 +853,9 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 
 # ---- the passive record of one row ---------------------------------------------------------------------------------
-FIELDS = ("ids", "positions", "ranks", "prefixes", "groups", "parents")  # what a forward's token carries, in order
+# What a forward's token carries, in this order, and the value of each in left padding
+PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2, "parents": NO_GROUP}
+FIELDS = tuple(PADDING)
 
 
 @dataclass
@@ -900,22 +908,6 @@ class StoredSequence:
 
     def __len__(self) -> int:
         return self.fields.shape[1]
-
-    @property
-    def ids(self) -> torch.Tensor:
-        return self.fields[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.fields[1]
-
-    @property
-    def prefixes(self) -> torch.Tensor:
-        return self.fields[3]
-
-    @property
-    def groups(self) -> torch.Tensor:
-        return self.fields[4]
 
     def append(self, queries: Queries, computed: bool = False) -> None:
         """Store tokens (whose K/V the next forward computes, unless `computed`)."""
@@ -975,8 +967,7 @@ class AcceptanceProfile:
     PLAN, REDRAFT = range(2)
 
     def __init__(self, slot_size: int, device, prior: float = 0.5):
-        self.prior = prior
-        self.offsets = torch.arange(slot_size, device=device)
+        self.prior, self.slot_size = prior, slot_size
         self.counted = torch.zeros(4, dtype=torch.long, device=device)  # what `totals` gives
         self.checks: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per source: each check's marks
         self.forwards = 0
@@ -986,11 +977,10 @@ class AcceptanceProfile:
         """One forward's check: `checked` (`[slots, slot_size]`) marks the drafts it scored, `run_end` the offset of
         each slot's first rejected draft (`slot_size` when none): a draft counts as offered up to it, accepted
         before it. (The totals are added up at once; the marks are kept for the tables by offset, `tables`.)"""
-        ends = run_end[:, None]
-        self.record(source, torch.stack([self.offsets <= ends, self.offsets < ends]) & checked)
+        self.record(source, draft_marks(checked, run_end))
 
     def record(self, source: int, marks: torch.Tensor) -> None:
-        """One forward's check as its `marks` (`[2, slots, slot_size]`): the drafts offered, the drafts accepted."""
+        """One forward's check as its `draft_marks`."""
         self.counted[2 * source : 2 * source + 2].add_(marks.sum(dim=(1, 2)))
         self.checks[source].append(marks)
         self.forwards += 1
@@ -1003,7 +993,7 @@ class AcceptanceProfile:
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drafts offered and accepted by source and slot offset (`[2, slot_size]` each), and the checks that
         offered any by source."""
-        offered = torch.zeros(2, self.offsets.shape[0], dtype=torch.long, device=self.offsets.device)
+        offered = torch.zeros(2, self.slot_size, dtype=torch.long, device=self.counted.device)
         accepted, runs = torch.zeros_like(offered), torch.zeros_like(offered[:, 0])
         for source, checks in enumerate(self.checks):
             if checks:
@@ -1635,7 +1625,7 @@ class SlotDecoder:
 
     def _in_group(self, ids, index, prefix: int, group: int) -> Queries:
         return Queries.of(ids, index + self.prompt.shape[0], torch.full_like(ids, prefix), torch.full_like(ids, group),
-                       torch.full_like(ids, NO_GROUP))  # fmt: skip
+                          torch.full_like(ids, NO_GROUP))  # fmt: skip
 
     def _causal(self, ids: torch.Tensor, index: torch.Tensor) -> Queries:
         return Queries.causal(ids, index + self.prompt.shape[0], len(self.record), self._new_group())
@@ -1667,9 +1657,6 @@ def attention_mask(key_ranks, key_groups, ranks, prefixes, groups, parents, colu
     sees.scatter_(2, columns[:, :, None], True)
     mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device)
     return mask.masked_fill(~sees, torch.finfo(dtype).min)[:, None]
-
-
-PADDING = {"ids": 0, "positions": 0, "ranks": NEVER, "prefixes": 0, "groups": -2, "parents": NO_GROUP}
 
 
 def static_mask(pointers, lengths, key_columns, key_groups, ranks, prefixes, groups, parents, dtype):

@@ -104,13 +104,13 @@ def test_cache_holds_exactly_the_committed_tokens_with_their_original_kv(model, 
     )
     record = decoder.record
     assert cache.get_seq_length() == record.computed
-    positions, ids = record.positions, record.ids
+    ids, positions, _, prefixes, groups, _ = record.fields  # (`FIELDS`)
     # every prompt and answer position exactly once, each holding the token returned at that position
     assert torch.equal(positions.sort().values, torch.arange(PROMPT.shape[1] + answer.shape[0]))
     assert torch.equal(ids[positions.argsort()], torch.cat([PROMPT[0], answer]))
     # the cached K/V equal a from-scratch pass over the stored sequence with the recorded attention structure
     ranks = torch.arange(ids.shape[0])[None]
-    prefixes, groups = record.prefixes[None], record.groups[None]
+    prefixes, groups = prefixes[None], groups[None]
     mask = attention_mask(ranks, groups, ranks, prefixes, groups, torch.full_like(groups, -3), 0, model.dtype)
     reference = DynamicCache()
     with torch.no_grad():

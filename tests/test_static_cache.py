@@ -91,10 +91,10 @@ def test_the_static_cache_holds_exactly_the_committed_tokens_with_their_original
     with torch.no_grad():
         execute(model, [decoder], cache)
     record = decoder.record
-    ids, positions, stored = record.ids, record.positions, record.computed
+    (ids, positions, _, prefixes, groups, _), stored = record.fields, record.computed  # (`FIELDS`)
     ranks = torch.arange(ids.shape[0])[None]
-    mask = attention_mask(ranks, record.groups[None], ranks, record.prefixes[None], record.groups[None],
-                          torch.full_like(ranks, -3), 0, model.dtype)  # fmt: skip
+    mask = attention_mask(ranks, groups[None], ranks, prefixes[None], groups[None], torch.full_like(ranks, -3), 0,
+                          model.dtype)  # fmt: skip
     reference = DynamicCache()
     with torch.no_grad():
         model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, cache=reference, use_cache=True)
