@@ -71,9 +71,10 @@ logger = logging.get_logger(__name__)
 
 # Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and whose mask
 # builder passes a prepared 4D mask through untouched; attention implementations that keep storage order with
-# out-of-order position ids (flash-attention reads a position jump as a new packed sequence).
+# out-of-order position ids (flash-attention reads a position jump as a new packed sequence). "refusion_grouped" is
+# eager attention over the shared key/value heads (`kernels_refusion.use_grouped_attention` registers it).
 SUPPORTED_BACKBONES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", "refusion_grouped")
 NEVER = 2**62  # storage rank of cache holes and padding: no token's prefix reaches it
 NO_GROUP = -3  # the parent group of tokens that draft for no slot
 

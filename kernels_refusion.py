@@ -258,3 +258,44 @@ def unpack_linears(model: nn.Module) -> int:
             module.__class__ = nn.Linear
             unpacked += 1
     return unpacked
+
+
+# ---- attention for compiled forwards ---------------------------------------------------------------------------------
+GROUPED_ATTENTION = "refusion_grouped"  # the `attn_implementation` name `use_grouped_attention` registers
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention (`eager_attention_forward` of Llama, Mistral, Qwen2 and Qwen3) without copying
+    each key/value head once per query head that shares it: the query heads of one key/value head are stacked along
+    the query axis (`[batch, kv_heads, groups x queries, dim]`), multiply the shared keys and values as they are, and
+    the mask is broadcast over the groups. The same sums, so the same output to float rounding, softmax in float32 as
+    there. Under inductor the eager version materializes the expanded keys and values of every layer (SmolLM2: 9
+    query heads over 3 key/value heads), which over a static cache costs in proportion to its columns, read or not."""
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    scores = torch.matmul(query.reshape(batch, kv_heads, groups * queries, dim), key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        grouped = scores.view(batch, kv_heads, groups, queries, -1) + attention_mask[:, :, None]
+        scores = grouped.view(scores.shape)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).view(batch, heads, queries, dim)
+    return output.transpose(1, 2).contiguous(), weights.view(batch, heads, queries, -1)
+
+
+def register_grouped_attention() -> None:
+    """Register `grouped_attention` with transformers as `GROUPED_ATTENTION`, with eager attention's mask (additive,
+    in the model's dtype; without a mask function of its own, transformers would give it no causal mask at all)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, eager_mask)
+
+
+def use_grouped_attention(model: nn.Module) -> None:
+    """Switch `model` to `grouped_attention` (registered first). The config's JSON does not record an attention
+    implementation: a saved model loads with its default again."""
+    register_grouped_attention()
+    model.set_attn_implementation(GROUPED_ATTENTION)

@@ -6,7 +6,7 @@
 Its decoding defaults (in `model.generation_config`) are the `decoding` section of `recipe/smollm2.yaml`. The decoding
 policy of the demo and the benchmarks: `decoding_dtype` (bfloat16 where the device multiplies it natively, else
 float32) and `prepare_for_decoding` (oneDNN prepacked linear layers on a CPU, where measured faster, and for compiled
-forwards eager attention).
+forwards eager attention over the shared key/value heads).
 
 `with_adapter` also takes a training checkpoint folder (`checkpoint-62`), which holds an adapter in the same form.
 """
@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from finetune.convert import convert_to_refusion, load_causal_lm
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
-from kernels_refusion import prepack_linears
+from kernels_refusion import prepack_linears, use_grouped_attention
 from modeling_refusion import RefusionForCausalLM
 
 SHIPPED_ADAPTER = Path(__file__).resolve().parent / "artifacts" / "smollm2" / "adapter"
@@ -63,15 +63,18 @@ def prepare_for_decoding(model: PreTrainedModel, kernels: bool = True, compiled:
     the dtypes and widths where `kernels_refusion.packing_plan()` measured that faster (nothing elsewhere, or with
     `kernels=False`). Call it after the model's final `.to(...)`; returns how many layers were switched.
 
-    With `compiled` (the model decodes through compiled forwards), on a CPU attention becomes transformers' eager
-    implementation (`model.set_attn_implementation("eager")`), which inductor fuses into the graphs: over SDPA's CPU
-    kernel it cost no more at any width it was measured at and saved a quarter of a one-query forward (SmolLM2 in
-    bfloat16, frozen saved forwards over a 256-column cache, AMD Zen 4, 2 threads, 1 / 2 / 4 queries: 10.4-10.7 /
-    10.9-11.3 / 11.7-11.9 ms against 13.8-14.9 / 11.5-12.2 / 11.9-12.7; benchmarks/results/smollm2-zen4-2026-12-04)."""
+    With `compiled` (the model decodes through compiled forwards), on a CPU attention becomes eager attention over
+    the shared key/value heads (`kernels_refusion.use_grouped_attention`), which inductor fuses into the graphs.
+    transformers' eager attention cost no more than SDPA's CPU kernel at any width it was measured at and saved a
+    quarter of a one-query forward (SmolLM2 in bfloat16, frozen saved forwards over a 256-column cache, AMD Zen 4, 2
+    threads, 1 / 2 / 4 queries: 10.4-10.7 / 10.9-11.3 / 11.7-11.9 ms against 13.8-14.9 / 11.5-12.2 / 11.9-12.7), but
+    its graphs copy every layer's keys and values once per query head, over every column of the static cache; the
+    grouped form reads them as they are: 9.6 / 10.8 ms at 1 / 4 queries against eager's 10.8 / 11.6 over 256 columns,
+    and its cost no longer grows with the columns (benchmarks/results/smollm2-zen4-2026-12-04)."""
     if not kernels or model.device.type != "cpu":
         return 0
     if compiled:
-        model.set_attn_implementation("eager")
+        use_grouped_attention(model)
     return prepack_linears(model)
 
 

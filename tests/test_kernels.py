@@ -14,7 +14,15 @@ from torch import nn
 from transformers import DynamicCache
 
 import kernels_refusion
-from kernels_refusion import PackedLinear, packing_plan, prepack_linears, unpack_linears
+from kernels_refusion import (
+    GROUPED_ATTENTION,
+    PackedLinear,
+    grouped_attention,
+    packing_plan,
+    prepack_linears,
+    unpack_linears,
+    use_grouped_attention,
+)
 
 onednn = pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
 VOCAB = 320
@@ -331,6 +339,80 @@ def test_the_decoding_policy_prepacks_a_cpu_model_unless_told_not_to():
     assert torch.equal(packed.sequences, plain.sequences)
     assert packed.num_forward_passes == plain.num_forward_passes
     prepare_for_decoding(model, compiled=True)
-    assert model.config._attn_implementation == "eager"
-    eager_attention = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
-    assert torch.equal(eager_attention.sequences, plain.sequences)
+    assert model.config._attn_implementation == GROUPED_ATTENTION
+    grouped = model.generate(PROMPT, max_new_tokens=16, eos_token_id=[], return_dict_in_generate=True)
+    assert torch.equal(grouped.sequences, plain.sequences)
+    assert grouped.num_forward_passes == plain.num_forward_passes
+
+
+# ---- grouped attention ----------------------------------------------------------------------------------------------
+class AttentionLayer(nn.Module):
+    """What transformers' attention functions read of the layer that calls them."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def attention_inputs(groups: int, queries: int, columns: int = 9, dtype=torch.float64, seed: int = 0):
+    """Queries, keys, values and a 4-D additive mask that hides some columns from some queries (not causally: as a
+    decode's reordered slots do), two rows."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, dim = 2, 8
+    query = torch.randn(2, kv_heads * groups, queries, dim, generator=generator, dtype=dtype)
+    key, value = (torch.randn(2, kv_heads, columns, dim, generator=generator, dtype=dtype) for _ in range(2))
+    seen = torch.rand(2, 1, queries, columns, generator=generator) < 0.7
+    seen[..., 0] = True  # every query sees a column
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("queries", [1, 5])
+def test_grouped_attention_equals_transformers_eager_attention(groups, queries):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    layer = AttentionLayer(groups).eval()
+    query, key, value, mask = attention_inputs(groups, queries)
+    expected, expected_weights = eager_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    output, weights = grouped_attention(layer, query, key, value, mask, scaling=0.3)
+    assert output.shape == expected.shape and weights.shape == expected_weights.shape
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+    # a column hidden from every query changes nothing, whatever its value
+    hidden = mask.clone()
+    hidden[..., 0] = torch.finfo(mask.dtype).min
+    hidden[..., 1] = 0
+    changed = value.clone()
+    changed[:, :, 0] += 5.0
+    torch.testing.assert_close(
+        grouped_attention(layer, query, key, changed, hidden, scaling=0.3)[0],
+        grouped_attention(layer, query, key, value, hidden, scaling=0.3)[0],
+        rtol=0,
+        atol=1e-12,
+    )
+
+
+def test_grouped_attention_compiled_equals_eager_in_bfloat16():
+    layer = AttentionLayer(3).eval()
+    inputs = attention_inputs(3, 4, columns=16, dtype=torch.bfloat16, seed=1)
+    expected, _ = grouped_attention(layer, *inputs, scaling=0.35)
+    compiled = torch.compile(grouped_attention, fullgraph=True, dynamic=False)
+    output, _ = compiled(layer, *inputs, scaling=0.35)
+    torch.testing.assert_close(output, expected, rtol=2e-2, atol=2e-2)  # bfloat16 rounding of fused sums
+    assert output.float().sub(expected.float()).abs().mean() < 5e-3
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_grouped_attention_decodes_the_tokens_of_eager_attention(architecture):
+    model = sharpened_model(architecture, scale=4.0)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    use_grouped_attention(model)
+    assert model.config.get_text_config(decoder=True)._attn_implementation == GROUPED_ATTENTION
+    settings = dict(max_new_tokens=24, eos_token_id=[], return_dict_in_generate=True)
+    for options in (dict(slot_size=4), dict(slot_size=8, slot_threshold=0.5, cache_implementation="static")):
+        expected = eager.generate(PROMPT, **settings, **options)
+        output = model.generate(PROMPT, **settings, **options)
+        assert torch.equal(output.sequences, expected.sequences)
+        assert output.num_forward_passes == expected.num_forward_passes

@@ -6,12 +6,15 @@ from tiny import ARCHITECTURES, tiny_backbone
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
 from configuration_refusion import RefusionConfig
+from kernels_refusion import GROUPED_ATTENTION, register_grouped_attention
 from modeling_refusion import RefusionForCausalLM
 
 VOCAB = 64
 
 
 def refusion_from(base, attn_implementation="sdpa"):
+    if attn_implementation == GROUPED_ATTENTION:
+        register_grouped_attention()
     config = RefusionConfig(text_config=base.config.to_dict(), mask_token_id=VOCAB - 1)
     config.text_config._attn_implementation = attn_implementation
     model = RefusionForCausalLM(config)
@@ -51,7 +54,7 @@ def test_auto_classes_resolve_to_the_causal_lm(tmp_path):
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", GROUPED_ATTENTION])
 def test_cached_out_of_order_forward_equals_one_pass(architecture, attn_implementation):
     """Slots stored out of reading order give the same logits whether computed at once or piece by piece."""
     model = refusion_from(tiny_backbone(architecture, vocab_size=VOCAB), attn_implementation)
@@ -93,12 +96,17 @@ def test_rope_follows_position_ids_not_storage_order():
     torch.testing.assert_close(shifted, out_of_order)  # RoPE is relative: a common shift changes nothing
 
 
-def test_sdpa_and_eager_agree_on_out_of_order_input():
-    base = tiny_backbone("qwen2", vocab_size=VOCAB)
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_sdpa_eager_and_grouped_attention_agree_on_out_of_order_input(architecture):
+    base = tiny_backbone(architecture, vocab_size=VOCAB)
     tokens = torch.randint(3, VOCAB - 1, POSITIONS.shape, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        sdpa, eager = (refusion_from(base, name)(tokens, position_ids=POSITIONS).logits for name in ("sdpa", "eager"))
+        sdpa, eager, grouped = (
+            refusion_from(base, name)(tokens, position_ids=POSITIONS).logits
+            for name in ("sdpa", "eager", GROUPED_ATTENTION)
+        )
     torch.testing.assert_close(sdpa, eager, rtol=0, atol=1e-6)  # eager takes its softmax in float32
+    torch.testing.assert_close(grouped, eager, rtol=0, atol=1e-12)  # the same sums, its softmax in float32 too
 
 
 @pytest.mark.parametrize("attn_implementation", ["flash_attention_2", "flex_attention"])
