@@ -804,6 +804,7 @@ class ForwardPrices:
         self.widths = list(self.table)
         self.key = key  # the `price_key` of a measured table; None for the caller's
         self.seen: dict[int, float] = {}  # each measured width's fastest forward in a decode (`observe`)
+        self.tried: set[int] = set()  # buckets run once at their own width before padding them (`run_width`)
         for narrower, wider in zip(reversed(self.widths[:-1]), reversed(self.widths[1:])):
             self.table[narrower] = min(self.table[narrower], self.table[wider])
 
@@ -819,13 +820,19 @@ class ForwardPrices:
         return table[low] + (table[high] - table[low]) * (width - low) / (high - low)
 
     def run_width(self, width: int) -> int:
-        """The width a forward of `width` new tokens runs at: its bucket, or a wider bucket measured cheaper (the
-        price of a width is already the least of the wider ones')."""
+        """The width a forward of `width` new tokens runs at: its bucket, or a wider bucket priced cheaper (a width's
+        price being the least of its measured one and the fastest a decode saw, `observe`). A measured table's bucket
+        is run once before it is padded to a wider one: a table that prices it too high (measured on a busy machine,
+        or kept from another state of it) would otherwise never see it run, and so never be found stale."""
         width = pad_width(width, self.buckets)
         if self.buckets is None or width not in self.measured:
             return width
         wider = [bucket for bucket in self.buckets if bucket >= width and bucket in self.measured]
-        return min(wider, key=lambda bucket: (self.measured[bucket], bucket))
+        cheapest = min(wider, key=lambda bucket: (min(self.measured[bucket], self.seen.get(bucket, math.inf)), bucket))
+        if cheapest != width and self.key is not None and width not in self.tried:
+            self.tried.add(width)
+            return width
+        return cheapest
 
     def observe(self, width: int, seconds: float) -> None:
         """A decode's forward of `width` (as run: padded) took `seconds`, its scoring and the host's read included."""

@@ -87,13 +87,23 @@ def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
 
 
 def test_a_forward_runs_at_the_cheapest_bucket_as_wide_as_it():
-    dip = ForwardPrices({1: 17.2, 2: 14.5, 4: 14.4, 8: 47.5, 16: 74.6}, buckets=(1, 2, 4, 8, 16, 32))
-    assert [dip.run_width(width) for width in (1, 2, 3, 4, 5, 16, 32, 40)] == [4, 4, 4, 4, 8, 16, 32, 40]
+    table, buckets = {1: 17.2, 2: 14.5, 4: 14.4, 8: 47.5, 16: 74.6}, (1, 2, 4, 8, 16, 32)
+    widths = (1, 2, 3, 4, 5, 16, 32, 40)
+    dip = ForwardPrices(table, buckets)  # the caller's table
+    assert [dip.run_width(width) for width in widths] == [4, 4, 4, 4, 8, 16, 32, 40]
     assert [dip(width) for width in (1, 2, 4)] == [14.4, 14.4, 14.4]  # priced as run
     tie = ForwardPrices({1: 2.0, 2: 1.0, 4: 1.0}, buckets=(1, 2, 4))
     assert tie.run_width(1) == 2  # the narrower of equal prices
     assert ForwardPrices({1: 2.0, 2: 1.0}).run_width(1) == 1  # eager (no buckets): forwards run as they are
     assert ForwardPrices({1: 2.0, 64: 1.0}, buckets=(1, 2, 4, 64)).run_width(2) == 2  # 2 not measured: its bucket
+    # a measured table's bucket runs once at its own width before it is padded, and unpadded once seen cheaper
+    measured = ForwardPrices(table, buckets, key="measured")
+    assert [measured.run_width(width) for width in widths] == [1, 2, 4, 4, 8, 16, 32, 40]
+    assert [measured.run_width(width) for width in widths] == [4, 4, 4, 4, 8, 16, 32, 40]
+    measured.observe(1, 19.0)  # as dear as measured: still padded
+    assert measured.run_width(1) == 4
+    measured.observe(1, 12.0)  # a decode saw it cheaper than the bucket it was padded to
+    assert measured.run_width(1) == 1 and measured.run_width(2) == 4
 
 
 def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks_the_host_read():

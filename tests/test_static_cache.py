@@ -325,6 +325,15 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     assert torch.equal(model.generate(PROMPT, **{**settings, "forward_prices": dip}), eager)
     assert 1 not in widths and 2 in widths
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # a measured table that prices one query above two (measured on a busy machine, say): the decode runs a one-query
+    # forward at its own width once, to see what it costs (which forwards follow depends on the times seen:
+    # test_price_schedule); the same tokens
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(dip))
+    widths.clear()
+    measured = {name: value for name, value in settings.items() if name != "forward_prices"}
+    assert torch.equal(model.generate(PROMPT, **measured), eager)
+    assert 1 in widths and 2 in widths
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
