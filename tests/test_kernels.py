@@ -21,7 +21,6 @@ from kernels_refusion import (
     packing_plan,
     prepack_linears,
     unpack_linears,
-    use_grouped_attention,
 )
 
 onednn = pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
@@ -408,7 +407,7 @@ def test_grouped_attention_decodes_the_tokens_of_eager_attention(architecture):
     model = sharpened_model(architecture, scale=4.0)
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
-    use_grouped_attention(model)
+    model.use_grouped_attention()  # the Hub class's method: kernels_refusion.use_grouped_attention
     assert model.config.get_text_config(decoder=True)._attn_implementation == GROUPED_ATTENTION
     settings = dict(max_new_tokens=24, eos_token_id=[], return_dict_in_generate=True)
     for options in (dict(slot_size=4), dict(slot_size=8, slot_threshold=0.5, cache_implementation="static")):

@@ -70,18 +70,22 @@ names = list(model.state_dict())
 packed_layers = model.prepack_linears([torch.float32])  # from one row on, whatever this CPU's own plan says
 packed = model.generate(prompt, **settings)
 names_unchanged = list(model.state_dict()) == names
+model.use_grouped_attention()  # eager attention over the shared key/value heads, registered by the remote code
+grouped = model.generate(prompt, **settings)
 print(json.dumps({{
     "files": sorted(name for name in os.listdir({folder!r}) if name.endswith(".py")),
     "linear_layers": sum(isinstance(module, torch.nn.Linear) for module in model.modules()),
     "packed_layers": packed_layers,
     "same_tokens": torch.equal(plain, packed),
     "names_unchanged": names_unchanged,
+    "grouped_attention": model.config.get_text_config(decoder=True)._attn_implementation,
+    "grouped_same_tokens": torch.equal(plain, grouped),
     "unpacked_layers": model.unpack_linears(),
 }}))
 """
 
 
-def test_a_hub_user_prepacks_the_linear_layers_and_decodes_the_same_tokens(tmp_path):
+def test_a_hub_user_prepacks_the_linear_layers_groups_attention_and_decodes_the_same_tokens(tmp_path):
     from kernels_refusion import onednn_available
 
     if not onednn_available():
@@ -93,6 +97,7 @@ def test_a_hub_user_prepacks_the_linear_layers_and_decodes_the_same_tokens(tmp_p
     assert report["files"] == sorted(HUB_FILES)
     assert report["packed_layers"] == report["linear_layers"] == report["unpacked_layers"] > 0
     assert report["same_tokens"] and report["names_unchanged"]
+    assert report["grouped_attention"] == "refusion_grouped" and report["grouped_same_tokens"]
 
 
 def test_hub_files_import_only_torch_transformers_and_each_other():
