@@ -22,9 +22,10 @@ compiled decoders compile before the first pass (times printed apart). `--freeze
 weight freezing (`recipe.decoding.compiled_refusion(freeze=True)`: weights become constants of the graphs, packed for
 the machine's GEMM kernels; minutes of compiling, and on the AMX CPU inductor's disk cache did not keep such graphs,
 so each process compiled them again). With `--refusion compiled` alone, ReFusion and the static AR below decode with
-the policy's eager attention for compiled forwards (`recipe.model.prepare_for_decoding(compiled=True)`); transformers'
-compiled AR keeps the model's (SDPA). transformers' compiled AR stays unfrozen: its static-cache `generate()` fails
-under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache write).
+the policy's attention for compiled forwards (grouped eager attention: `recipe.model.prepare_for_decoding(compiled=
+True)`); transformers' compiled AR keeps the model's (SDPA). transformers' compiled AR stays unfrozen: its
+static-cache `generate()` fails under freezing (torch 2.13, transformers 5.24: an index out of bounds in its cache
+write).
 
 With compiled ReFusion, a fourth AR decodes beside them: `static AR` (`recipe.decoding.decode_static_ar`), token by
 token over ReFusion's static cache through the same compiled (with `--freeze`, frozen) backbone in ReFusion's dtype,
@@ -105,7 +106,7 @@ def main() -> None:
     base, tokenizer = load_base() if args.random_base is None else random_base(args.random_base)
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
     ar, model = copy.deepcopy(base).to(args.device, ar_dtype), model.to(args.device, dtype)
-    # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones eager attention
+    # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones grouped attention
     prepare_for_decoding(model, compiled=args.refusion == ["compiled"])
     prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
     refusions = {}
@@ -140,7 +141,7 @@ def main() -> None:
     decoders = {"compiled AR": partial(decode, ar, tokenizer, max_new_tokens=args.max_new_tokens, **ar_settings)}
     if "compiled" in args.refusion:
         static_ar = copy.deepcopy(base).to(args.device, dtype)
-        prepare_for_decoding(static_ar, compiled=True)  # the policy's, as ReFusion's: kernels, eager attention
+        prepare_for_decoding(static_ar, compiled=True)  # the policy's, as ReFusion's: kernels, grouped attention
         static_settings = dict(compile_config=compiled_refusion(args.device, mode, args.freeze)["compile_config"],
                                max_cache_len=static_cache_length(prompts, args.max_new_tokens),
                                compile_cache_dir=args.compile_cache_dir)  # fmt: skip
