@@ -1,11 +1,13 @@
-"""Linear layers through oneDNN with prepacked weights: the same model, cheaper wide forwards on a CPU.
+"""Linear layers through oneDNN with prepacked weights: the same model, cheaper wide forwards on a CPU. And attention
+for compiled forwards that does not copy the shared key/value heads (`grouped_attention`, at the end).
 
-    from kernels_refusion import prepack_linears, unpack_linears
+    from kernels_refusion import prepack_linears, unpack_linears, use_grouped_attention
 
     prepack_linears(model)      # nn.Linear layers compute through oneDNN with prepacked weights where that wins
     with torch.no_grad():
         model(...)              # inference forwards use the packed weights; logits equal to float tolerance
     unpack_linears(model)       # plain nn.Linear again
+    use_grouped_attention(model)  # eager attention over the shared key/value heads ("refusion_grouped")
 
 Why: PyTorch's `F.linear` on a CPU is MKL's GEMV for one row and its GEMM above, and in float32 a forward of two to
 sixteen queries costs up to twice a one-query forward. oneDNN with each weight reordered once into its own blocked
