@@ -701,6 +701,47 @@ def judge_infill(
     return tokens, counts, eos_offsets(tokens, counts, eos), draft_marks(checked, rejected)
 
 
+def score_infill(
+    logits: torch.Tensor,
+    fresh: torch.Tensor,
+    queried: torch.Tensor,
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    until: torch.Tensor,
+    checked: torch.Tensor,
+    eos: torch.Tensor,
+    mask_token_id: int,
+    threshold: float,
+    text: torch.Tensor,
+    at: torch.Tensor,
+    drafts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy fast-rule infill round scored whole, from the logits of its forward to what the host reads: the
+    forward's rows are the slots' `fresh` tokens, then their `queried` drafts (masks over `[slots, slot_size]`, each
+    in row-major order); position i is scored by the row of position i - 1. Decides as `greedy_distributions`, then
+    `judge_infill` with the model's own tokens as redrafts, then with `drafts` (`lookup_drafts`) `copy_drafts` from
+    `text` (`at`: the slots' text positions) do. Returns the host's values (the new counts, their EOS offsets and, with
+    `drafts`, how many drafts each slot holds), the slots' new tokens and the check's `draft_marks`. (One function,
+    so that a compiled decode makes one call here a forward: on a CPU a call right after a forward runs from a cold
+    cache, and several calls cost several times one.)"""
+    probabilities, greedy = greedy_distributions(logits, mask_token_id)
+    fresh, queried = fresh.flatten(), queried.flatten()
+    rows = torch.where(fresh, fresh.cumsum(0) - 1, fresh.sum() + queried.cumsum(0) - 1) * (fresh | queried)
+    rows = rows.view_as(tokens)
+    source = torch.cat([rows[:, :1], rows[:, :-1]], dim=1)  # the row scoring each position
+    ar_tokens = torch.where(checked, greedy[source], tokens)
+    drafted = probabilities[source, tokens].masked_fill(tokens == mask_token_id, -1)
+    ar_probability = torch.where(checked, drafted, 1.0)
+    tokens, counts, eos_at, marks = judge_infill(
+        tokens, counts, until, checked, ar_probability, ar_tokens, None, eos, threshold
+    )
+    values = [counts, eos_at]
+    if drafts:
+        tokens, found = copy_drafts(text, at, tokens, counts, drafts, mask_token_id)
+        values.append(found)
+    return torch.cat(values), tokens, marks
+
+
 def draft_marks(checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
     """The drafts a check offered and those it accepted, `[2, slots, slot_size]`: of the `checked` ones, those up to
     each slot's first rejected draft (at offset `run_end`, `slot_size` when none), and those before it."""
@@ -1148,7 +1189,7 @@ class SlotDecoder:
             self.REDRAFT: self._score_redraft,
             self.RECHECK: self._score_recheck,
         }[self.phase.kind]
-        if self.score_all_rows:
+        if self.score_all_rows and not self._scored_whole(self.phase):
             self.forward_scores = self.steps.greedy_distributions(self._processed(logits), self.settings.mask_token_id)
         values = score(self.phase, logits)
         self.forward_scores = None
@@ -1318,9 +1359,23 @@ class SlotDecoder:
         phase.read.update(layout, parts=parts)
         return Queries.cat(parts)
 
+    def _scored_whole(self, phase: Phase) -> bool:
+        """Whether the phase's logits are scored by one step function (`score_infill`): a greedy infill round with
+        no `[MASK]` queries (`fused_redraft`)."""
+        return self.score_all_rows and phase.kind == self.INFILL and len(phase.read["parts"]) == 2
+
     def _score_infill(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
         state, read = phase.state, phase.read
+        if self._scored_whole(phase):
+            settings = self.settings
+            values, read["tokens"], marks = self.steps.score_infill(
+                self._processed(logits), read["fresh_mask"], read["queried_mask"], state.tokens, read["counts"],
+                read["until"], read["checked_mask"], self.eos, settings.mask_token_id, settings.token_threshold,
+                self.text, read["index"] + self.prompt.shape[0], settings.lookup_drafts,
+            )  # fmt: skip
+            self.profile.record(AcceptanceProfile.REDRAFT, marks)
+            return values
         index, fresh, queried, checked = (read[name] for name in ("index", "fresh", "queried", "checked"))
         parts = read["parts"]
         num_fresh, num_queried = len(parts[0]), len(parts[-1])
@@ -1609,6 +1664,8 @@ class SlotDecoder:
             fresh=positions(fresh, state.fresh),
             checked=positions(checked, num_checked),
             queried=positions(queried, num_checked - len(state.slots)),
+            fresh_mask=fresh,
+            queried_mask=queried,
             checked_mask=checked,
             counts=counts,
             until=ends,
@@ -1691,9 +1748,10 @@ class StepFunctions:
     static_mask: Callable  # where a forward's tokens go in a `SlotCache`, and their attention mask
     greedy_distributions: Callable  # a forward's token distributions and greedy tokens, for greedy decoding
     judge_infill: Callable  # the decision of a fast-rule infill round
+    score_infill: Callable  # a greedy fast-rule infill round, from its logits to its decision
 
 
-EAGER_STEPS = StepFunctions(copy_drafts, static_mask, greedy_distributions, judge_infill)
+EAGER_STEPS = StepFunctions(copy_drafts, static_mask, greedy_distributions, judge_infill, score_infill)
 
 
 @functools.cache
@@ -1723,9 +1781,10 @@ def step_functions(compiled: bool) -> StepFunctions:
 
 @torch.no_grad()  # (as decodes run: grad mode is among a graph's guards)
 def warm_up_steps(model, lookup_drafts: int = 0) -> None:
-    """Compile `compiled_steps()`'s scoring of `model`'s logits (one row and several) and its infill decisions (one
-    slot and several) now, and with `lookup_drafts` the copying of that many drafts (one slot and several). The masks
-    compile with the forwards (`compile_forwards`)."""
+    """Compile `compiled_steps()`'s scoring of `model`'s logits (one row and several), its infill decisions (one
+    slot and several) and its greedy infill rounds scored whole (with `lookup_drafts` drafts copied) now, and with
+    `lookup_drafts` the copying of that many drafts (one slot and several). The masks compile with the forwards
+    (`compile_forwards`)."""
     device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
     steps, eos = compiled_steps(), torch.tensor([2, -1, -1], device=device)  # (as `SlotDecoder.eos`)
     for rows in (1, 2):
@@ -1736,6 +1795,18 @@ def warm_up_steps(model, lookup_drafts: int = 0) -> None:
         probability = probabilities[:, :4].clone()
         for redrafts in (None, tokens + 1):  # the model's own tokens, or `[MASK]` queries' (`fused_redraft`)
             steps.judge_infill(tokens, counts, counts + 2, tokens == 0, probability, tokens + 2, redrafts, eos, 0.5)
+    # a whole infill round (`score_infill`): one slot with one row or several, several slots with several rows
+    text = torch.zeros(16, dtype=torch.long, device=device)
+    for slots, rows in ((1, 1), (1, 2), (2, 2)):
+        logits = torch.zeros(rows, vocab, dtype=model.dtype, device=device)
+        fresh = torch.zeros(slots, 4, dtype=torch.bool, device=device)
+        fresh[:, 0] = True
+        queried = torch.zeros_like(fresh)
+        queried[0, 1 : 1 + rows - slots] = True
+        at = 4 + torch.arange(slots * 4, device=device).view(slots, 4)
+        counts = torch.ones(slots, dtype=torch.long, device=device)
+        steps.score_infill(logits, fresh, queried, at - 4, counts, counts + 2, ~fresh & (at < 8 + 4 * slots), eos,
+                           model.config.mask_token_id, 0.5, text, at, lookup_drafts)  # fmt: skip
     if lookup_drafts:
         warm_up_copies(device, lookup_drafts, model.config.mask_token_id)
 

@@ -249,20 +249,26 @@ def test_eos_ends_the_answer_and_later_slots_are_dropped(model, slot_size):
     ],
 )
 def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model, frequent_token, monkeypatch, options):
-    """Greedy decoding scores all the rows of a forward once; decisions made so equal those that score their own
-    rows (the path of sampling and of processors that read context)."""
+    """Greedy decoding scores all the rows of a forward once (an infill round's with its decision, `score_infill`);
+    decisions made so equal those that score their own rows (the path of sampling and of processors that read
+    context)."""
     settings = dict(
         max_new_tokens=24, slot_threshold=0.5, token_threshold=0.4, eos_token_id=[frequent_token], pad_token_id=0,
         return_dict_in_generate=True, **options,
     )  # fmt: skip
     calls = []
-    scored = generation_refusion.greedy_distributions
+    scored, whole = generation_refusion.greedy_distributions, generation_refusion.score_infill
     counted = dataclasses.replace(
-        generation_refusion.EAGER_STEPS, greedy_distributions=lambda *args: calls.append(1) or scored(*args)
+        generation_refusion.EAGER_STEPS,
+        greedy_distributions=lambda *args: calls.append("rows") or scored(*args),
+        score_infill=lambda *args: calls.append("round") or whole(*args),
     )
     monkeypatch.setattr(generation_refusion, "EAGER_STEPS", counted)
     at_once = model.generate(PROMPT, **settings)
     assert len(calls) == at_once.num_forward_passes
+    fast_rounds = options["slot_size"] > 1 and options.get("infill_mode") != "reference"
+    fast_rounds = fast_rounds and "fused_redraft" not in options  # (no [MASK] queries)
+    assert ("round" in calls) == fast_rounds
     created = SlotDecoder.__init__
 
     def each_decision(self, *args, **kwargs):

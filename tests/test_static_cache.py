@@ -264,6 +264,73 @@ def test_the_infill_decision_is_its_parts_and_compiled_is_the_eager_one():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def infill_round(generator, slots: int, size: int, vocab: int, mask_token_id: int) -> dict:
+    """A random greedy infill round as `SlotDecoder` lays one out: each slot's accepted tokens (its last one fresh),
+    then drafts (some the mask token) of which a window is queried, and the forward's logits: the fresh tokens' rows,
+    then the queried drafts' (row-major); the text the slots sit in, for copied drafts."""
+    counts = torch.randint(1, size, (slots,), generator=generator)
+    stored = torch.minimum(counts - 1, torch.randint(0, size, (slots,), generator=generator))
+    until = torch.minimum(counts + torch.randint(1, size, (slots,), generator=generator), torch.tensor(size))
+    offsets = torch.arange(size)
+    fresh = (offsets >= stored[:, None]) & (offsets < counts[:, None])
+    checked = (offsets >= counts[:, None]) & (offsets < until[:, None])
+    queried = checked & (offsets < until[:, None] - 1)
+    tokens = torch.randint(0, 12, (slots, size), generator=generator)
+    tokens = tokens.masked_fill(torch.rand(slots, size, generator=generator) < 0.2, mask_token_id)
+    rows = int(fresh.sum() + queried.sum())
+    logits = 3 * torch.randn(rows, vocab, generator=generator, dtype=torch.float64)
+    logits[:, :12] += 4  # the slots' tokens are likely
+    text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
+    at = 20 + torch.arange(slots * size).view(slots, size)
+    return dict(logits=logits, fresh=fresh, queried=queried, tokens=tokens, counts=counts, until=until,
+                checked=checked, text=text, at=at)  # fmt: skip
+
+
+def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager():
+    """`score_infill` decides as the decoder's parts do, written out position by position: each checked position is
+    scored by the row of the position before it (the fresh tokens' rows, then the queried drafts'); the model's own
+    token and the draft's probability from `greedy_distributions` go to `judge_infill`, then `copy_drafts`. Compiled,
+    it decides the same from the graphs `warm_up_steps` compiled."""
+    model = sharpened_model("qwen3", scale=4.0)
+    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
+    warm_up_steps(model, lookup_drafts=3)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(11)
+    eos = torch.tensor([3, -1, -1])
+    with torch.no_grad():
+        for case in range(30):
+            slots, size, drafts = 1 + case % 3, (4, 8)[case % 2], (0, 3)[case % 4 // 2]
+            round_ = infill_round(generator, slots, size, vocab, mask_token_id)
+            round_["logits"] = round_["logits"].to(model.dtype)
+            tokens, logits = round_["tokens"], round_["logits"]
+            probabilities, greedy = generation_refusion.greedy_distributions(logits, mask_token_id)
+            order = [*round_["fresh"].flatten().nonzero()[:, 0], *round_["queried"].flatten().nonzero()[:, 0]]
+            row_of = {int(position): row for row, position in enumerate(order)}
+            ar_tokens, ar_probability = tokens.clone(), torch.ones(tokens.shape, dtype=probabilities.dtype)
+            for slot, offset in round_["checked"].nonzero().tolist():
+                row = row_of[slot * size + offset - 1]
+                ar_tokens[slot, offset] = greedy[row]
+                draft = int(tokens[slot, offset])
+                ar_probability[slot, offset] = -1 if draft == mask_token_id else probabilities[row, draft]
+            expected = judge_infill(tokens, round_["counts"], round_["until"], round_["checked"], ar_probability,
+                                    ar_tokens, None, eos, 0.4)  # fmt: skip
+            values = [expected[1], expected[2]]
+            new_tokens = expected[0]
+            if drafts:
+                new_tokens, found = generation_refusion.copy_drafts(round_["text"], round_["at"], new_tokens,
+                                                                    expected[1], drafts, mask_token_id)  # fmt: skip
+                values.append(found)
+            arguments = (
+                logits, round_["fresh"], round_["queried"], tokens, round_["counts"], round_["until"],
+                round_["checked"], eos, mask_token_id, 0.4, round_["text"], round_["at"], drafts,
+            )  # fmt: skip
+            for scored in (generation_refusion.score_infill(*arguments), compiled_steps().score_infill(*arguments)):
+                assert torch.equal(scored[0], torch.cat(values)), case
+                assert torch.equal(scored[1], new_tokens) and torch.equal(scored[2], expected[3]), case
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("options", [dict(repetition_penalty=1.5), dict(do_sample=True, top_k=5)])
 def test_compiled_decodes_with_logits_processors_or_sampling_give_the_eager_tokens(options):
     model = sharpened_model("qwen2", scale=4.0)
