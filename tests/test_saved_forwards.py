@@ -179,3 +179,60 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
     monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
     attempts = SavedForwards(model, autotuned, tmp_path).attempts
     assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [None]
+
+
+# ---- step functions compiled ahead of time --------------------------------------------------------------------------
+def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_load_them(tmp_path, compiles):
+    """A step function as a package (`SavedStep`): one package serves every varying size (from 1 up) and every
+    threshold (a tensor argument), gives what the function gives, and a later `SavedStep` over the folder loads it;
+    other constants (drafts copied) make another package."""
+    from test_static_cache import infill_round
+
+    step = generation_refusion.SavedStep(
+        generation_refusion.score_infill, tmp_path,
+        ({0: "logits"}, *[{0: "slots"}] * 6, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None),
+    )  # fmt: skip
+    generator, eos, mask_token_id = torch.Generator().manual_seed(5), torch.tensor([3, -1, -1]), 20
+    for case in range(12):
+        drafts = (0, 3)[case // 6]
+        round_ = infill_round(generator, 1 + case % 3, 8, 40, mask_token_id)
+        threshold = torch.tensor((0.0, 0.3, 0.6)[case % 3], dtype=torch.float64)
+        arguments = (
+            round_["logits"], round_["fresh"], round_["queried"], round_["tokens"], round_["counts"], round_["until"],
+            round_["checked"], eos, mask_token_id, threshold, round_["text"], round_["at"], drafts,
+        )  # fmt: skip
+        expected = generation_refusion.score_infill(*arguments)
+        assert all(torch.equal(got, wanted) for got, wanted in zip(step(*arguments), expected)), case
+        assert len(compiles) == 1 + case // 6  # one package a number of drafts copied
+    later = generation_refusion.SavedStep(step.function, tmp_path, step.dims)
+    assert all(torch.equal(got, wanted) for got, wanted in zip(later(*arguments), expected))
+    assert len(compiles) == 2 and len(list(tmp_path.iterdir())) == 2
+    with pytest.raises(TypeError, match="takes 13 arguments here, not 12"):
+        step(*arguments[:-1])
+
+
+def test_a_decode_through_saved_forwards_on_a_cpu_runs_its_masks_and_infill_rounds_from_saved_steps(
+    tmp_path, compiles, monkeypatch
+):
+    """On a CPU a decode through saved forwards takes its attention masks and greedy infill rounds from packages
+    kept beside the forwards (`SavedForwards.steps`), compiled while its forwards are, and decodes the eager
+    tokens."""
+    model = sharpened_model("qwen3", scale=4.0)
+    calls, call = [], generation_refusion.SavedStep.__call__
+    monkeypatch.setattr(generation_refusion.SavedStep, "__call__",
+                        lambda self, *arguments: calls.append(self.function.__name__) or call(self, *arguments))
+    settings = dict(SETTINGS, fused_redraft=False, lookup_drafts=2, max_new_tokens=16)
+    eager = model.generate(PROMPT, return_dict_in_generate=True, **settings)
+    config = compile_config()
+    columns = generation_refusion.static_cache_columns(PROMPT.shape[1], 16, 4, 8)
+    generation_refusion.compile_forwards(model, config, 1, columns, compile_cache_dir=tmp_path, lookup_drafts=2)
+    assert {"static_mask", "score_infill"} <= set(calls)
+    steps = sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("step-"))
+    assert len(steps) == 2
+    calls.clear()
+    count = len(compiles)
+    saved = model.generate(PROMPT, return_dict_in_generate=True, **dict(settings, compile_config=config,
+                                                                         compile_cache_dir=str(tmp_path)))  # fmt: skip
+    assert torch.equal(saved.sequences, eager.sequences) and saved.num_forward_passes == eager.num_forward_passes
+    assert calls.count("static_mask") == saved.num_forward_passes and "score_infill" in calls
+    assert len(compiles) == count  # compile_forwards compiled it all
