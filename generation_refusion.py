@@ -1749,7 +1749,7 @@ class StepFunctions:
     """The decoder's tensor work between forwards that decodes through compiled forwards run compiled too: each
     function's dozens of small operations become one call of generated code (on a GPU a kernel or a few, where each
     operation was a launch). `EAGER_STEPS` holds the functions themselves, `compiled_steps()` them compiled, and
-    beside saved forwards on a CPU `SavedForwards.steps` the masks and infill rounds compiled ahead of time
+    beside saved forwards on a CPU `SavedForwards.steps` all but `judge_infill` compiled ahead of time
     (`SavedStep`: there a call costs a fifth of a `torch.compile` call's Python)."""
 
     copy_drafts: Callable  # drafts copied from earlier text (`lookup_drafts`), written into the slots
@@ -1785,7 +1785,7 @@ def compile_step(function: Callable) -> Callable:
 
 def step_functions(compiled) -> StepFunctions:
     """The decoder's step functions for a decode through the `compiled` backbone (`compiled_backbone`; None: eager
-    forwards): on a CPU beside saved forwards, its attention masks and whole infill rounds compiled ahead of time too
+    forwards): on a CPU beside saved forwards, all but a fused-redraft round's decision compiled ahead of time too
     (`SavedForwards.steps`), else `compiled_steps()`."""
     if isinstance(compiled, SavedForwards) and compiled.model.device.type == "cpu":
         return compiled.steps
@@ -1822,18 +1822,19 @@ def warm_up_steps(model, lookup_drafts: int = 0, steps: StepFunctions | None = N
         steps.score_infill(logits, fresh, queried, at - 4, counts, counts + 2, ~fresh & (at < 8 + 4 * slots), eos,
                            model.config.mask_token_id, threshold, text, at, lookup_drafts)  # fmt: skip
     if lookup_drafts:
-        warm_up_copies(device, lookup_drafts, model.config.mask_token_id)
+        warm_up_copies(device, lookup_drafts, model.config.mask_token_id, steps)
 
 
 @torch.no_grad()  # (as decodes run: grad mode is among a graph's guards)
-def warm_up_copies(device, count: int, unknown: int) -> None:
-    """Compile `compiled_steps().copy_drafts` for `count` drafts on `device` now, for one slot and for several."""
+def warm_up_copies(device, count: int, unknown: int, steps: StepFunctions | None = None) -> None:
+    """Compile `compiled_steps().copy_drafts` (or `steps.copy_drafts`) for `count` drafts on `device` now, for one slot
+    and for several."""
     slot_size = 4  # (any size above one: sizes are dynamic)
     text = torch.zeros(4 * slot_size, dtype=torch.long, device=device)
     for slots in (1, 2):
         at = slot_size + torch.arange(slots * slot_size, device=device).view(slots, slot_size)
         counts = torch.ones(slots, dtype=torch.long, device=device)
-        compiled_steps().copy_drafts(text, at, torch.zeros_like(at), counts, count, unknown)
+        (steps or compiled_steps()).copy_drafts(text, at, torch.zeros_like(at), counts, count, unknown)
 
 
 class SlotCache(Cache):
@@ -2043,9 +2044,12 @@ class SavedForwards:
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
-        # the decoder's attention masks and whole infill rounds, compiled ahead of time beside the forwards
+        # the decoder's attention masks, scoring, whole infill rounds and copied drafts, compiled ahead of time beside
+        # the forwards (a fused-redraft round's decision stays compiled)
         self.steps = dataclasses.replace(
             compiled_steps(),
+            greedy_distributions=SavedStep(greedy_distributions, folder, ({0: "rows"}, None)),
+            copy_drafts=SavedStep(copy_drafts, folder, ({0: "text"}, *[{0: "slots"}] * 3, None, None)),
             static_mask=SavedStep(static_mask, folder, (
                 {0: "rows"}, {0: "rows"}, {0: "columns"}, {0: "rows", 1: "columns"}, *[{0: "rows", 1: "width"}] * 4,
                 None,
@@ -2117,7 +2121,8 @@ class SavedStep:
 
     `dims` gives, for each argument, the axes whose size varies (named; axes of one name have one size), `{}` for a
     tensor whose sizes are fixed and None for an argument that is not a tensor. The other arguments and the fixed
-    sizes and dtypes are constants of a package: each set of them has a package of its own (`key`)."""
+    sizes and dtypes are constants of a package: each set of them has a package of its own (`key`). A call with a
+    tensor of size 0 runs the function itself."""
 
     def __init__(self, function: Callable, folder: Path, dims: tuple[dict[int, str] | None, ...]):
         self.function, self.folder, self.dims, self.runners = function, folder, dims, {}
@@ -2128,6 +2133,8 @@ class SavedStep:
         if len(arguments) != len(self.dims):
             raise TypeError(f"{self.function.__name__} takes {len(self.dims)} arguments here, not {len(arguments)}.")
         tensors = [arguments[index].contiguous() for index in self.tensors]
+        if any(0 in tensor.shape for tensor in tensors):  # (a package serves sizes from 1 up)
+            return self.function(*arguments)
         signature = tuple(
             (tensor.dtype, tensor.device, *(-1 if axis in axes else size for axis, size in enumerate(tensor.shape)))
             for tensor, axes in zip(tensors, self.axes)
