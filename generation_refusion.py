@@ -715,7 +715,7 @@ def score_infill(
     checked: torch.Tensor,
     eos: torch.Tensor,
     mask_token_id: int,
-    threshold: float,
+    threshold: float | torch.Tensor,
     text: torch.Tensor,
     at: torch.Tensor,
     drafts: int,
