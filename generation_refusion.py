@@ -2082,34 +2082,24 @@ class SavedForwards:
         return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
 
     def load_or_compile(self, shape: tuple[int, int, int], inputs: tuple, cache: "SlotCache"):
-        path = self.path(shape)
-        if path.exists():
-            try:
-                return torch._inductor.aoti_load_package(str(path))
-            except Exception as error:  # any failure to load means: compile it again
-                logger.warning(f"The saved forward {path} did not load ({type(error).__name__}: {error}); compiling it "
-                               "again.")  # fmt: skip
-        head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
-        exported = torch.export.export(ExportedBackbone(self.model.get_decoder(), cache, head), inputs, strict=False)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-        try:
+        def build(package_path: str):
+            head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
+            backbone = ExportedBackbone(self.model.get_decoder(), cache, head)
+            exported = torch.export.export(backbone, inputs, strict=False)
             for attempt, configs in enumerate(self.attempts, 1):
                 try:
                     torch._inductor.aoti_compile_and_package(
-                        exported, package_path=str(partial), inductor_configs=configs
+                        exported, package_path=package_path, inductor_configs=configs
                     )
-                    break
+                    return
                 except Exception as error:
                     if attempt == len(self.attempts):
                         raise
                     logger.warning(f"Compiling the forward of {shape} with inductor's C++ GEMM template alone failed "
                                    f"({type(error).__name__}: {str(error)[:300]}); compiling it with the compile "
                                    "config's GEMM backends.")  # fmt: skip
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-        return torch._inductor.aoti_load_package(str(path))
+
+        return load_or_build_package(self.path(shape), build, "forward")
 
 
 class SavedStep:
@@ -2155,36 +2145,47 @@ class SavedStep:
         ])  # fmt: skip
 
     def load_or_compile(self, arguments: tuple, signature: tuple, constants: tuple):
+        def build(package_path: str):
+            # Traced on zeros in which every varying size is at least 2 (a size of 1 would be taken as fixed); the
+            # package serves sizes from 1 up.
+            named = {}
+            for argument, axes in zip(arguments, self.dims):
+                for axis, name in (axes or {}).items():
+                    named[name] = max(named.get(name, 2), argument.shape[axis])
+            dimensions = {name: torch.export.Dim(name.replace(" ", "_"), min=1) for name in named}
+            examples, shapes = [], []
+            for index in self.tensors:
+                tensor, axes = arguments[index], self.dims[index]
+                size = [named[axes[axis]] if axis in axes else length for axis, length in enumerate(tensor.shape)]
+                examples.append(torch.zeros(size, dtype=tensor.dtype, device=tensor.device))
+                shapes.append({axis: dimensions[name] for axis, name in axes.items()} or None)
+            module = StepModule(self.function, arguments, self.tensors)
+            exported = torch.export.export(module, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
+            torch._inductor.aoti_compile_and_package(exported, package_path=package_path)
+
         path = self.folder / f"step-{hashlib.sha256(self.key(signature, constants).encode()).hexdigest()[:32]}.pt2"
-        if path.exists():
-            try:
-                return torch._inductor.aoti_load_package(str(path)).loader
-            except Exception as error:  # any failure to load means: compile it again
-                logger.warning(f"The saved step {path} did not load ({type(error).__name__}: {error}); compiling it "
-                               "again.")  # fmt: skip
-        # Traced on zeros in which every varying size is at least 2 (a size of 1 would be taken as fixed); the
-        # package serves sizes from 1 up.
-        named = {}
-        for argument, axes in zip(arguments, self.dims):
-            for axis, name in (axes or {}).items():
-                named[name] = max(named.get(name, 2), argument.shape[axis])
-        dimensions = {name: torch.export.Dim(name.replace(" ", "_"), min=1) for name in named}
-        examples, shapes = [], []
-        for index in self.tensors:
-            tensor, axes = arguments[index], self.dims[index]
-            size = [named[axes[axis]] if axis in axes else length for axis, length in enumerate(tensor.shape)]
-            examples.append(torch.zeros(size, dtype=tensor.dtype, device=tensor.device))
-            shapes.append({axis: dimensions[name] for axis, name in axes.items()} or None)
-        module = StepModule(self.function, arguments, self.tensors)
-        exported = torch.export.export(module, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+        return load_or_build_package(path, build, "step").loader
+
+
+def load_or_build_package(path: Path, build: Callable[[str], None], what: str):
+    """The AOTInductor package kept at `path`, loaded. Where there is none, or it does not load (damaged, or built
+    elsewhere: then with a warning naming the saved `what`), `build(package_path)` compiles it first, into a partial
+    file that is then renamed to `path`, so that a package is seen whole or not at all and processes may share a
+    folder."""
+    if path.exists():
         try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-        return torch._inductor.aoti_load_package(str(path)).loader
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception as error:  # any failure to load means: compile it again
+            logger.warning(f"The saved {what} {path} did not load ({type(error).__name__}: {error}); compiling it "
+                           "again.")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        build(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return torch._inductor.aoti_load_package(str(path))
 
 
 class StepModule(torch.nn.Module):
