@@ -7,7 +7,7 @@ for compiled forwards that does not copy the shared key/value heads (`grouped_at
     with torch.no_grad():
         model(...)              # inference forwards use the packed weights; logits equal to float tolerance
     unpack_linears(model)       # plain nn.Linear again
-    use_grouped_attention(model)  # eager attention over the shared key/value heads ("refusion_grouped")
+    use_grouped_attention(model)  # SDPA over the shared key/value heads, uncopied ("refusion_grouped")
 
 Why: PyTorch's `F.linear` on a CPU is MKL's GEMV for one row and its GEMM above, and in float32 a forward of two to
 sixteen queries costs up to twice a one-query forward. oneDNN with each weight reordered once into its own blocked
@@ -267,23 +267,20 @@ GROUPED_ATTENTION = "refusion_grouped"  # the `attn_implementation` name `use_gr
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention (`eager_attention_forward` of Llama, Mistral, Qwen2 and Qwen3) without copying
-    each key/value head once per query head that shares it: the query heads of one key/value head are stacked along
-    the query axis (`[batch, kv_heads, groups x queries, dim]`), multiply the shared keys and values as they are, and
-    the mask is broadcast over the groups. The same sums, so the same output to float rounding, softmax in float32 as
-    there. Under inductor the eager version materializes the expanded keys and values of every layer (SmolLM2: 9
-    query heads over 3 key/value heads), which over a static cache costs in proportion to its columns, read or not."""
-    batch, heads, queries, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    scores = torch.matmul(query.reshape(batch, kv_heads, groups * queries, dim), key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        grouped = scores.view(batch, kv_heads, groups, queries, -1) + attention_mask[:, :, None]
-        scores = grouped.view(scores.shape)
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).view(batch, heads, queries, dim)
-    return output.transpose(1, 2).contiguous(), weights.view(batch, heads, queries, -1)
+    """Attention over the shared key/value heads as they are: PyTorch's `scaled_dot_product_attention` with
+    `enable_gqa=True` and the additive mask, where transformers' SDPA attention, given a mask, first copies each
+    key/value head once per query head that shares it (SmolLM2: 9 query heads over 3 key/value heads), and its eager
+    attention's graphs materialize the same copies. The output of eager attention to float rounding (softmax in
+    float32 in the reduced dtypes); no attention weights (None), as with SDPA. Over a static cache both copies cost in
+    proportion to its columns, read or not: the attention of SmolLM2's 30 layers (and their cache writes) compiled
+    alone for one query (bfloat16, AMX CPU, 2 threads) took 0.44 / 0.59 ms over 128 / 256 columns, where eager
+    attention over the query heads stacked per key/value head (this function before) took 1.01 / 1.70
+    (benchmarks/results/smollm2-amx-2026-12-05/probes.md)."""
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=True,
+    )  # fmt: skip
+    return output.transpose(1, 2).contiguous(), None
 
 
 def register_grouped_attention() -> None:

@@ -6,7 +6,7 @@
 Its decoding defaults (in `model.generation_config`) are the `decoding` section of `recipe/smollm2.yaml`. The decoding
 policy of the demo and the benchmarks: `decoding_dtype` (bfloat16 where the device multiplies it natively, else
 float32) and `prepare_for_decoding` (oneDNN prepacked linear layers on a CPU, where measured faster, and for compiled
-forwards eager attention over the shared key/value heads).
+forwards SDPA over the shared key/value heads, uncopied).
 
 `with_adapter` also takes a training checkpoint folder (`checkpoint-62`), which holds an adapter in the same form.
 """
@@ -63,14 +63,15 @@ def prepare_for_decoding(model: PreTrainedModel, kernels: bool = True, compiled:
     the dtypes and widths where `kernels_refusion.packing_plan()` measured that faster (nothing elsewhere, or with
     `kernels=False`). Call it after the model's final `.to(...)`; returns how many layers were switched.
 
-    With `compiled` (the model decodes through compiled forwards), on a CPU attention becomes eager attention over
-    the shared key/value heads (`kernels_refusion.use_grouped_attention`), which inductor fuses into the graphs.
-    transformers' eager attention cost no more than SDPA's CPU kernel at any width it was measured at and saved a
-    quarter of a one-query forward (SmolLM2 in bfloat16, frozen saved forwards over a 256-column cache, AMD Zen 4, 2
-    threads, 1 / 2 / 4 queries: 10.4-10.7 / 10.9-11.3 / 11.7-11.9 ms against 13.8-14.9 / 11.5-12.2 / 11.9-12.7), but
-    its graphs copy every layer's keys and values once per query head, over every column of the static cache; the
-    grouped form reads them as they are: 9.6 / 10.8 ms at 1 / 4 queries against eager's 10.8 / 11.6 over 256 columns,
-    and its cost no longer grows with the columns (benchmarks/results/smollm2-zen4-2026-12-04)."""
+    With `compiled` (the model decodes through compiled forwards), on a CPU attention becomes SDPA over the shared
+    key/value heads as they are (`kernels_refusion.use_grouped_attention`). transformers' SDPA, given a mask, and
+    its eager attention in inductor's graphs both copy every layer's keys and values once per query head, over every
+    column of the static cache: on the Zen 4 eager attention beat transformers' SDPA (SmolLM2 in bfloat16, frozen
+    saved forwards over 256 columns, 2 threads, one query 10.4-10.7 ms against 13.8-14.9), and eager attention over
+    the query heads stacked per key/value head beat both (9.6; benchmarks/results/smollm2-zen4-2026-12-04). On the
+    AMX Xeon that form still grew with the columns, SDPA over the uncopied heads much less: SmolLM2's frozen
+    one-query forward 12.6-13.1 ms against 14.4-15.0 over 256 columns, the AR's over 128 12.1-12.5 against 13.3-13.7
+    (benchmarks/results/smollm2-amx-2026-12-05/probes.md); the Zen 4 and AVX2 CPUs were not measured with it."""
     if not kernels or model.device.type != "cpu":
         return 0
     if compiled:

@@ -368,16 +368,18 @@ def attention_inputs(groups: int, queries: int, columns: int = 9, dtype=torch.fl
 
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("queries", [1, 5])
-def test_grouped_attention_equals_transformers_eager_attention(groups, queries):
+def test_grouped_attention_equals_transformers_sdpa_and_eager_attention(groups, queries):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     layer = AttentionLayer(groups).eval()
     query, key, value, mask = attention_inputs(groups, queries)
-    expected, expected_weights = eager_attention_forward(layer, query, key, value, mask, scaling=0.3)
     output, weights = grouped_attention(layer, query, key, value, mask, scaling=0.3)
-    assert output.shape == expected.shape and weights.shape == expected_weights.shape
+    expected, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)  # over copied key/value heads
+    assert output.shape == expected.shape and weights is None  # no attention weights, as transformers' SDPA
     torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
-    torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+    eager, _ = eager_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(output, eager, rtol=0, atol=1e-6)  # eager takes its softmax in float32
     # a column hidden from every query changes nothing, whatever its value
     hidden = mask.clone()
     hidden[..., 0] = torch.finfo(mask.dtype).min
@@ -415,3 +417,37 @@ def test_grouped_attention_decodes_the_tokens_of_eager_attention(architecture):
         output = model.generate(PROMPT, **settings, **options)
         assert torch.equal(output.sequences, expected.sequences)
         assert output.num_forward_passes == expected.num_forward_passes
+
+
+def test_saved_forwards_and_prices_are_keyed_by_the_source_of_a_registered_attention(tmp_path, monkeypatch):
+    """A compiled forward is traced through the attention function: a saved package or price table of an earlier
+    version of a registered function (as "refusion_grouped" in kernels_refusion.py) must not be taken for its own."""
+    from transformers import AttentionInterface, CompileConfig
+
+    import generation_refusion as g
+
+    source = tmp_path / "my_attention.py"
+    source.write_text(
+        "from kernels_refusion import grouped_attention\n\n\n"
+        "def attend(*args, **kwargs):\n    return grouped_attention(*args, **kwargs)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_attention
+
+    AttentionInterface.register("my_attention", my_attention.attend)
+    model = sharpened_model("llama", scale=4.0)
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    cache = g.SlotCache(model, 1, 128)
+
+    def keys():
+        return g.saved_forward_key(model, config), g.price_key(model, cache, config)
+
+    sdpa = keys()
+    model.set_attn_implementation("my_attention")
+    first = keys()
+    source.write_text(source.read_text() + "# the function's file changed\n")
+    changed = keys()
+    assert all("attention sdpa" in key for key in sdpa) and all("attention my_attention " in key for key in first)
+    assert first[0] != changed[0] and first[1] != changed[1] and sdpa[0] != first[0]
+    model.set_attn_implementation("my_attention")
+    assert keys() == changed  # the same file, the same keys
