@@ -298,6 +298,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     generator = torch.Generator().manual_seed(11)
     eos = torch.tensor([3, -1, -1])
+    threshold = torch.tensor(0.4, dtype=torch.float64)  # as the decoder passes it (`SlotDecoder.token_threshold`)
     with torch.no_grad():
         for case in range(30):
             slots, size, drafts = 1 + case % 3, (4, 8)[case % 2], (0, 3)[case % 4 // 2]
@@ -323,7 +324,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
                 values.append(found)
             arguments = (
                 logits, round_["fresh"], round_["queried"], tokens, round_["counts"], round_["until"],
-                round_["checked"], eos, mask_token_id, 0.4, round_["text"], round_["at"], drafts,
+                round_["checked"], eos, mask_token_id, threshold, round_["text"], round_["at"], drafts,
             )  # fmt: skip
             for scored in (generation_refusion.score_infill(*arguments), compiled_steps().score_infill(*arguments)):
                 assert torch.equal(scored[0], torch.cat(values)), case
