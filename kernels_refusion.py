@@ -267,20 +267,29 @@ GROUPED_ATTENTION = "refusion_grouped"  # the `attn_implementation` name `use_gr
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Attention over the shared key/value heads as they are: PyTorch's `scaled_dot_product_attention` with
-    `enable_gqa=True` and the additive mask, where transformers' SDPA attention, given a mask, first copies each
-    key/value head once per query head that shares it (SmolLM2: 9 query heads over 3 key/value heads), and its eager
-    attention's graphs materialize the same copies. The output of eager attention to float rounding (softmax in
-    float32 in the reduced dtypes); no attention weights (None), as with SDPA. Over a static cache both copies cost in
-    proportion to its columns, read or not: the attention of SmolLM2's 30 layers (and their cache writes) compiled
-    alone for one query (bfloat16, AMX CPU, 2 threads) took 0.44 / 0.59 ms over 128 / 256 columns, where eager
-    attention over the query heads stacked per key/value head (this function before) took 1.01 / 1.70
-    (benchmarks/results/smollm2-amx-2026-12-05/probes.md)."""
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
-        enable_gqa=True,
-    )  # fmt: skip
-    return output.transpose(1, 2).contiguous(), None
+    """Attention over the shared key/value heads as they are, through PyTorch's `scaled_dot_product_attention` with
+    the additive mask, where transformers' SDPA attention, given a mask, first copies each key/value head once per
+    query head that shares it (SmolLM2: 9 query heads over 3 key/value heads), and its eager attention's graphs
+    materialize the same copies. One query: `enable_gqa=True`. Several: the query heads of each key/value head
+    stacked along the query axis (`[batch, kv_heads, groups x queries, dim]`, the mask repeated for each), so that the
+    kernel reads each key/value head once for all of them. The output of SDPA to float rounding; no attention weights
+    (None), as with SDPA. The attention of SmolLM2's 30 layers with their cache writes, compiled alone (bfloat16, AMX
+    CPU, 2 threads; benchmarks/results/smollm2-amx-2026-12-05/probes.md), 1 / 4 / 8 queries over 256 columns:
+    `enable_gqa` 0.63 / 1.52 / 1.62 ms, stacked 0.84 / 1.08 / 1.14; eager attention over the stacked heads (this
+    function before) took 1.70 / 2.06 ms at 1 / 4 queries in an earlier run of the probe."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, dropout = key.shape[1], dropout if module.training else 0.0
+    groups = heads // kv_heads
+    stack = queries > 1 and groups > 1 and (attention_mask is None or attention_mask.shape[1] == 1)
+    if not stack:
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
+        return output.transpose(1, 2).contiguous(), None
+    stacked = query.reshape(batch, kv_heads, groups * queries, dim)  # row g x queries + q: query head g of the group
+    mask = attention_mask.repeat(1, 1, groups, 1) if attention_mask is not None else None
+    output = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return output.view(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
 
 
 def register_grouped_attention() -> None:

@@ -64,7 +64,8 @@ def prepare_for_decoding(model: PreTrainedModel, kernels: bool = True, compiled:
     `kernels=False`). Call it after the model's final `.to(...)`; returns how many layers were switched.
 
     With `compiled` (the model decodes through compiled forwards), on a CPU attention becomes SDPA over the shared
-    key/value heads as they are (`kernels_refusion.use_grouped_attention`). transformers' SDPA, given a mask, and
+    key/value heads as they are (`kernels_refusion.use_grouped_attention`: `enable_gqa` for one query, the query
+    heads of each key/value head stacked for several). transformers' SDPA, given a mask, and
     its eager attention in inductor's graphs both copy every layer's keys and values once per query head, over every
     column of the static cache: on the Zen 4 eager attention beat transformers' SDPA (SmolLM2 in bfloat16, frozen
     saved forwards over 256 columns, 2 threads, one query 10.4-10.7 ms against 13.8-14.9), and eager attention over
