@@ -2463,10 +2463,15 @@ def measure_forward_prices(
     prompt_width: int | None = None,
 ) -> dict[int, float]:
     """Seconds a forward of each of `widths` new tokens per row takes over `cache` (through the `compiled` backbone
-    where given, at the width it pads to among its `buckets`), the fastest of `repeats` after a warm-up; once the
-    measuring has taken `seconds`, a single forward. Widths go narrowest first and stop at the first that costs
-    `PRICE_LINEAR` times as many one-query forwards as it has queries: wider forwards then cost in proportion
-    (`ForwardPrices` prorates past the widest measured width) and measuring them would take longest.
+    where given, at the width it pads to among its `buckets`), the fastest of `repeats` timed forwards after a
+    warm-up. Widths go narrowest first, a warm-up and a timed forward each, and stop at the first that costs
+    `PRICE_LINEAR` times as many one-query forwards as it has queries (timed again, with the one-query forward,
+    before believing it: a busy moment does not end the measuring): wider forwards then cost in proportion
+    (`ForwardPrices` prorates past the widest measured width) and measuring them would take longest. The other
+    repeats go round the measured widths a forward each, so that a busy spell of the machine falls on every width
+    alike and the prices keep their ratios, by which the schedule decides (on a shared host, repeats back to back
+    had priced two-query forwards at 1.5 times one-query ones; interleaved they cost 1.05 times). Once the
+    measuring has taken `seconds`, a width gets its first forward only.
 
     First, a forward of `prompt_width` (a decode's first forward, its prompt's) where given: the decode's forwards
     run after it, and so are measured. What a forward costs depends on what ran before: glibc's allocator serves
@@ -2490,18 +2495,37 @@ def measure_forward_prices(
         eager = packed_for(model, prompt_width)
         forward(prompt_width if eager else pad_width(prompt_width, buckets), min(prompt_width, max(widths)),
                 graph=None if eager else compiled)  # fmt: skip
-    timed, table, started = {}, {}, time.perf_counter()
+    started, runs = time.perf_counter(), {}  # runs: per padded width, its warm-up and then its timed forwards
+
+    def timed(width: int) -> None:
+        """One more timed forward of `width` (padded), while the measuring has time left."""
+        if time.perf_counter() - started < seconds:
+            runs[width].append(forward(width, width))
+
+    def fastest(width: int) -> float:  # (the warm-up counts where it is all there was time for)
+        padded = pad_width(width, buckets)
+        return min(runs[padded][1:] or runs[padded])
+
+    def linear(width: int) -> bool:
+        return width > widths[0] and fastest(width) >= PRICE_LINEAR * width * fastest(widths[0]) / widths[0]
+
+    measured = []
     for width in widths:
         padded = pad_width(width, buckets)
-        if padded not in timed:
-            runs = [forward(padded, padded)]
-            while len(runs) <= repeats and time.perf_counter() - started < seconds:
-                runs.append(forward(padded, padded))
-            timed[padded] = min(runs[1:] or runs)  # the first is a warm-up, unless it is all there was time for
-        table[width] = timed[padded]
-        if width > widths[0] and table[width] >= PRICE_LINEAR * width * table[widths[0]] / widths[0]:
-            break
-    return table
+        if padded not in runs:
+            runs[padded] = [forward(padded, padded)]
+            timed(padded)
+        measured.append(width)
+        if linear(width):  # once more each before ending there: a busy moment is not the end of width's economy
+            timed(padded)
+            timed(pad_width(widths[0], buckets))
+            if linear(width):
+                break
+    for _ in range(repeats):  # the repeats, a round at a time
+        for padded, times in runs.items():
+            if len(times) <= repeats:
+                timed(padded)
+    return {width: fastest(width) for width in measured}
 
 
 def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None, saved=False) -> str:

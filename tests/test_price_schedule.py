@@ -259,7 +259,7 @@ def test_measuring_stops_where_width_has_no_economy_left_and_prorates_past_it(mo
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * width)  # every query costs the first's price
     table = measure(model)
     assert table == pytest.approx({1: 0.01, 2: 0.02})  # 2 costs two one-query forwards: 4 to 64 not run
-    assert set(forwards.widths) == {1, 2} and len(forwards.widths) == 8  # a warm-up and 3 repeats each
+    assert set(forwards.widths) == {1, 2} and len(forwards.widths) == 8  # a warm-up and 3 timed forwards each
     assert ForwardPrices(table)(64) == pytest.approx(0.64)
 
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * width)
@@ -287,8 +287,22 @@ def test_measuring_takes_the_fastest_repeat_and_fewer_once_its_time_is_spent(mon
     table = measure(model, seconds=4.0)
     assert list(table) == list(generation_refusion.PRICE_WIDTHS)
     counts = [forwards.widths.count(width) for width in generation_refusion.PRICE_WIDTHS]
-    assert counts == [4, 1, 1, 1, 1, 1, 1]  # after the first width, one forward each: no warm-up, no repeat
+    assert counts == [2, 2, 1, 1, 1, 1, 1]  # a warm-up and a timed forward while time lasts, then the first only
     assert table[64] == pytest.approx(1.64)
+
+
+def test_a_busy_spell_of_the_machine_does_not_price_one_width_above_the_others(monkeypatch):
+    model = sharpened_model("llama", scale=4.0)
+    # busy from the 5th forward to the 8th: as long as one width's warm-up and repeats, were they back to back
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width + (0.005 if 5 <= run <= 8 else 0))
+    table = measure(model)
+    assert table == pytest.approx({width: 0.01 + 0.001 * width for width in generation_refusion.PRICE_WIDTHS})
+    assert len(forwards.widths) == 4 * len(generation_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
+
+    # a busy moment on the forward that would end the measuring (two queries costing two one-query forwards) does not
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width + (0.5 if run == 4 else 0))
+    table = measure(model)
+    assert list(table) == list(generation_refusion.PRICE_WIDTHS) and table[2] == pytest.approx(0.012)
 
 
 def test_a_decode_measures_its_prices_after_a_forward_as_wide_as_its_prompt(monkeypatch):
