@@ -108,8 +108,8 @@ REFUSED_HINTS = {"prompt_lookup_num_tokens": "its own drafts copied from the tex
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=...)`: None means "dynamic"
 # Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
 # a bounded number of graphs. Wider forwards (a long plan) run eagerly over the same static cache, and so does the
-# prompt's where the model's linear layers are prepacked for it (`packed_for`): SmolLM2's 42-token prompt in bfloat16
-# on the AVX2 CPU took 139 ms so, against 305 ms padded to 64 in a graph with frozen weights. Priced drafts
+# prompt's where the model's linear layers are prepacked for it and that measured cheaper (`prompt_runs_eagerly`).
+# Priced drafts
 # (`draft_schedule="price"`) also get the narrow buckets: where width is dear they choose forwards of one or two
 # queries, which padded to 8 would cost what 8 cost.
 WIDTH_BUCKETS = (8, 16, 32, 64)
@@ -2364,8 +2364,8 @@ def execute(
         rows = layout.batch_rows(live)
         batch_requests = [requests[row] for row in rows]
         sizes = [len(request) if request else 0 for request in batch_requests]
-        # The first forward, the prompts', runs eagerly at its own width where prepacked kernels serve it
-        eager_prompt = compiled is not None and not forwards and packed_for(model, max(sizes))
+        # The first forward, the prompts', runs eagerly at its own width where prepacked kernels serve it cheaper
+        eager_prompt = not forwards and prompt_runs_eagerly(model, compiled, cache, max(sizes), buckets)
         graph, graph_buckets = (None, None) if eager_prompt else (compiled, buckets)
         width = pad_width(max(sizes), graph_buckets)
         if graph_buckets is not None and pricing is not None:
@@ -2451,6 +2451,54 @@ def compile_forwards(
         warm_up_steps(model, lookup_drafts, steps)
 
 
+def timed_forward(model, compiled, cache: SlotCache, width: int, num_logits: int) -> float:
+    """Seconds one forward of `width` new tokens a row takes over `cache` through the `compiled` backbone (None:
+    eagerly), waiting for the device. The tokens are padding: what they write, the mask of a decode hides."""
+    batch_size, device = cache.layers[0].keys.shape[0], model.device
+    batch = {name: torch.full((batch_size, width), value, dtype=torch.long, device=device)
+             for name, value in PADDING.items()}  # fmt: skip
+    mask = StaticLayout(cache, batch_size, device).mask(batch, [0] * batch_size, model.dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    run_model(model, compiled, batch, mask, cache, num_logits).sum().item()  # waits for the device
+    return time.perf_counter() - start
+
+
+def prompt_runs_eagerly(model, compiled, cache, width: int, buckets: tuple[int, ...] | None) -> bool:
+    """Whether a decode's first forward (its prompts', `width` new tokens a row) through the `compiled` backbone runs
+    eagerly at its own width rather than padded to its bucket in a graph: where the model's linear layers are
+    prepacked for it (`packed_for`) and cost no more so, by the prices `prompt_prices` measured once per backbone,
+    batch size, cache length and bucket (kept on the model). Past the widest bucket a forward runs eagerly anyway.
+    SmolLM2 in bfloat16: on the AVX2 CPU a 42-token prompt took 139 ms eagerly against 305 padded to 64 in a graph
+    with frozen weights; on an AMX CPU 50 tokens took 52 ms eagerly against 27 in the graph."""
+    if compiled is None or not isinstance(cache, SlotCache) or not packed_for(model, width):
+        return False
+    bucket = pad_width(width, buckets)
+    if buckets is None or bucket > buckets[-1]:
+        return True
+    known = getattr(model, "_refusion_prompt_prices", None)
+    if known is None:
+        known = model._refusion_prompt_prices = {}
+    key = (id(compiled), cache.layers[0].keys.shape[0], cache.max_cache_len, bucket)
+    if key not in known:
+        known[key] = prompt_prices(model, compiled, cache, width, bucket)
+    eager_per_token, graph = known[key]
+    return eager_per_token * width <= graph
+
+
+def prompt_prices(model, compiled, cache: SlotCache, width: int, bucket: int, repeats: int = 2) -> tuple[float, float]:
+    """What a first forward costs eagerly, per new token (measured at `width`: a narrower one is prorated, which
+    prices it low, so that a prompt goes eagerly, as it did before prices were measured, wherever in doubt), and
+    through `compiled` padded to `bucket`: each the fastest of `repeats`, after a warm-up, the two timed in turn."""
+    num_logits = min(width, LOGITS_IN_GRAPH_WIDTH)
+    eager, graph = [], []
+    for _ in range(repeats + 1):
+        eager.append(timed_forward(model, None, cache, width, num_logits))
+        graph.append(timed_forward(model, compiled, cache, bucket, num_logits))
+    return min(eager[1:]) / width, min(graph[1:])
+
+
 def measure_forward_prices(
     model,
     cache: SlotCache,
@@ -2477,21 +2525,12 @@ def measure_forward_prices(
     large tensors from fresh pages until larger ones have been freed, which made SmolLM2's two-query forwards at a
     batch of 8 cost 190-235 ms measured first and 141-153 ms after a wide one. The forwards run on padding:
     what they write, the mask of a decode hides."""
-    batch_size, device = cache.layers[0].keys.shape[0], model.device
-    layout = StaticLayout(cache, batch_size, device)
 
     def forward(width: int, num_logits: int, graph=compiled) -> float:
-        batch = {name: torch.full((batch_size, width), value, dtype=torch.long, device=device)
-                 for name, value in PADDING.items()}  # fmt: skip
-        mask = layout.mask(batch, [0] * batch_size, model.dtype)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run_model(model, graph, batch, mask, cache, num_logits).sum().item()  # waits for the device
-        return time.perf_counter() - start
+        return timed_forward(model, graph, cache, width, num_logits)
 
     if prompt_width:  # run as a decode's (`execute`); its logits as many as the widest measured forward's
-        eager = packed_for(model, prompt_width)
+        eager = prompt_runs_eagerly(model, compiled, cache, prompt_width, buckets)
         forward(prompt_width if eager else pad_width(prompt_width, buckets), min(prompt_width, max(widths)),
                 graph=None if eager else compiled)  # fmt: skip
     started, runs = time.perf_counter(), {}  # runs: per padded width, its warm-up and then its timed forwards

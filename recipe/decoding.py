@@ -383,11 +383,14 @@ def decode_static_ar(
     (`compiled_refusion(freeze=True)`) it is the frozen AR that transformers' compiled `generate()` cannot give (its
     static cache write fails under freezing), so frozen ReFusion has a like-for-like reference.
 
-    The prompt runs eagerly, then each step feeds the last token as one query at the next cache column and RoPE
-    position, the output layer as in ReFusion's forwards (`run_model`), and reads the argmax (the one wait per
-    token, for the stop check that `generate()` makes too). The cache holds `max_cache_len` columns (default: the
-    longest prompt plus `max_new_tokens`, rounded up by the decoder); a compiled step has one graph per cache length.
-    Forwards are counted as for every AR decode, one per generated position; they are not timed apart."""
+    The prompt runs as ReFusion's first forward does (`generation_refusion.prompt_runs_eagerly`): eagerly at its own
+    width, or through the compiled backbone padded on the right to a width bucket (the padding's keys and values go
+    to the columns after the prompt, which the steps overwrite before they see them). Then each step feeds the last
+    token as one query at the next cache column and RoPE position, the output layer as in ReFusion's forwards
+    (`run_model`), and reads the argmax (the one wait per token, for the stop check that `generate()` makes too).
+    The cache holds `max_cache_len` columns (default: the longest prompt plus `max_new_tokens`, rounded up by the
+    decoder); a compiled step has one graph per cache length. Forwards are counted as for every AR decode, one per
+    generated position; they are not timed apart."""
     stop_ids = stop_token_ids(model, tokenizer, eos_token_id)
     stop = torch.tensor(sorted(stop_ids), device=model.device)
     needed = max_cache_len or max(len(prompt) for prompt in prompts) + max_new_tokens
@@ -406,9 +409,18 @@ def decode_static_ar(
         begin = time.perf_counter()
         length = len(prompt)
         ids = torch.tensor([prompt], device=model.device)
-        cache.columns = columns[None, :length]
-        logits = model(input_ids=ids, position_ids=cache.columns, attention_mask=causal[:, :, :length], cache=cache,
-                       use_cache=True, logits_to_keep=1).logits  # fmt: skip
+        buckets = generation_refusion.WIDTH_BUCKETS
+        width = generation_refusion.pad_width(length, buckets)
+        in_graph = compiled is not None and width <= min(buckets[-1], cache.max_cache_len)
+        if in_graph and not generation_refusion.prompt_runs_eagerly(model, compiled, cache, length, buckets):
+            cache.columns = columns[None, :width]
+            padded = dict(ids=torch.nn.functional.pad(ids, (0, width - length)), positions=cache.columns)
+            logits = generation_refusion.run_model(model, compiled, padded, causal[:, :, :width], cache,
+                                                   width - length + 1)[:, :1]  # fmt: skip
+        else:
+            cache.columns = columns[None, :length]
+            logits = model(input_ids=ids, position_ids=cache.columns, attention_mask=causal[:, :, :length],
+                           cache=cache, use_cache=True, logits_to_keep=1).logits  # fmt: skip
         tokens = []
         while True:
             token = logits[:, -1].argmax(dim=-1, keepdim=True)

@@ -10,6 +10,7 @@ from tiny import tiny_backbone, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import generation_refusion
+import kernels_refusion
 from benchmarks import decode as decode_benchmark
 from benchmarks import draft_sources, quality_speed
 from finetune.chat import prompt_token_ids
@@ -190,10 +191,12 @@ def test_compiled_ar_decode_answers_as_eager_ar_and_compiles_once_for_prompts_of
     assert 'CompileConfig(mode="default")), compiled on every device; one-off compile' in table
 
 
-def test_static_cache_ar_answers_as_generate_eager_compiled_and_frozen_without_recompiling():
+def test_static_cache_ar_answers_as_generate_eager_compiled_and_frozen_without_recompiling(monkeypatch):
     """AR over ReFusion's static cache: eager (float64), the greedy answers and forwards of transformers' generate();
-    compiled with frozen weights (float32), the answers of its own eager run, one graph for prompts of every length
-    that fit the cache, and decodes stopped at the first stop token or at max_new_tokens."""
+    compiled with frozen weights (float32), the answers of its own eager run, one graph for the steps of prompts of
+    every length that fit the cache and one per prompts' width bucket (as ReFusion's first forward, the prompt runs
+    padded to its bucket in a graph, unless prepacked layers price it cheaper eagerly), and decodes stopped at the
+    first stop token or at max_new_tokens."""
     tokenizer = tiny_tokenizer()
     base = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).eval()
     prompts = prompt_token_ids(tokenizer, PROMPTS)
@@ -211,10 +214,25 @@ def test_static_cache_ar_answers_as_generate_eager_compiled_and_frozen_without_r
     eager = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, max_cache_len=64)
     frozen = compiled_refusion("cpu", mode="default", freeze=True)["compile_config"]
     graphs = compiled_graphs()
+    widths, run_model = [], generation_refusion.run_model
+    monkeypatch.setattr(generation_refusion, "run_model", lambda *args: widths.append(args[2]["ids"].shape[1]) or
+                        run_model(*args))  # fmt: skip
     compiled = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, compile_config=frozen, max_cache_len=64)
     assert compiled.answers == eager.answers and compiled.forwards == eager.forwards
-    assert compiled_graphs() - graphs == 1  # the one-query step, for every prompt
+    buckets = {generation_refusion.pad_width(len(prompt), generation_refusion.WIDTH_BUCKETS) for prompt in prompts}
+    assert set(widths) == {1} | buckets  # the prompts padded to their bucket
+    assert compiled_graphs() - graphs == 1 + len(buckets)  # the one-query step and the buckets, for every prompt
     assert base._refusion_compiled[1] is not None  # the weights were frozen into it
+
+    kernels_refusion.prepack_linears(base, {torch.float32: 1})
+    for prices, eagerly in (((1.0, 0.001), False), ((0.001, 1.0), True)):  # (a token eagerly, the graph's forward)
+        monkeypatch.setattr(generation_refusion, "prompt_prices", lambda *args, prices=prices, **kwargs: prices)
+        base.__dict__.pop("_refusion_prompt_prices", None)
+        widths.clear()
+        prepacked = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, compile_config=frozen,
+                                     max_cache_len=64)  # fmt: skip
+        assert prepacked.answers == eager.answers
+        assert set(widths) == ({1} if eagerly else {1} | buckets)
 
 
 def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():

@@ -405,8 +405,10 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
 
 
 @pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
-def test_the_prompt_runs_eagerly_at_its_own_width_where_prepacked_kernels_serve_it(monkeypatch):
+def test_the_prompt_runs_eagerly_at_its_own_width_where_prepacked_kernels_serve_it_cheaper(monkeypatch):
     model = sharpened_model("qwen3", scale=4.0).float()  # oneDNN packs float32, not float64
+    graph_dearer = lambda *args, **kwargs: (0.001, 1.0)  # noqa: E731 (seconds a token eagerly, the graph's forward)
+    monkeypatch.setattr(generation_refusion, "prompt_prices", graph_dearer)
     settings = dict(
         max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
         pad_token_id=0, cache_implementation="static", compile_config=compile_config(),
@@ -426,10 +428,42 @@ def test_the_prompt_runs_eagerly_at_its_own_width_where_prepacked_kernels_serve_
     forwards.clear()
     assert torch.equal(model.generate(PROMPT, **settings), eager)
     assert forwards[0] == (first, False) and all(compiled for _, compiled in forwards[1:])
+    monkeypatch.setattr(generation_refusion, "prompt_prices", lambda *args, **kwargs: (1.0, 0.001))
+    model._refusion_prompt_prices.clear()  # measured again: the graph is cheaper now
+    forwards.clear()
+    assert torch.equal(model.generate(PROMPT, **settings), eager)
+    assert forwards[0] == (pad_width(first, WIDTH_BUCKETS), True)
+    monkeypatch.setattr(generation_refusion, "prompt_prices", graph_dearer)
+    model._refusion_prompt_prices.clear()
     kernels_refusion.prepack_linears(model, {torch.float32: first + 1})  # narrower than the packs' rows: compiled
     forwards.clear()
     assert torch.equal(model.generate(PROMPT, **settings), eager)
     assert forwards[0] == (pad_width(first, WIDTH_BUCKETS), True)
+
+
+@pytest.mark.skipif(not kernels_refusion.onednn_available(), reason="this PyTorch has no oneDNN on this CPU")
+def test_the_prompts_path_is_measured_once_per_bucket_and_prorated_by_width(monkeypatch):
+    model = sharpened_model("qwen3", scale=4.0).float()
+    kernels_refusion.prepack_linears(model, {torch.float32: 1})
+    timed = []
+
+    def fake(model, compiled, cache, width, num_logits):  # eagerly 1 ms a token, 30 ms a graph forward
+        timed.append((width, compiled is not None))
+        return 0.03 if compiled is not None else 0.001 * width
+
+    monkeypatch.setattr(generation_refusion, "timed_forward", fake)
+    cache, backbone = SlotCache(model, 1, 128), object()
+    runs_eagerly = generation_refusion.prompt_runs_eagerly
+    assert runs_eagerly(model, backbone, cache, 20, WIDTH_BUCKETS)  # 20 ms eagerly, 30 in the graph of 32
+    assert timed == [(20, False), (32, True)] * 3  # a warm-up and two timed forwards each, in turn
+    assert runs_eagerly(model, backbone, cache, 29, WIDTH_BUCKETS)
+    assert not runs_eagerly(model, backbone, cache, 31, WIDTH_BUCKETS)  # 31 ms, prorated from 20 tokens' price
+    assert len(timed) == 6  # measured once for the bucket
+    assert not runs_eagerly(model, backbone, cache, 40, WIDTH_BUCKETS) and len(timed) == 12  # the bucket of 64
+    assert runs_eagerly(model, backbone, cache, 100, WIDTH_BUCKETS) and len(timed) == 12  # past the buckets: eager
+    assert not runs_eagerly(model, None, cache, 20, WIDTH_BUCKETS)  # not compiled: nothing to choose
+    kernels_refusion.prepack_linears(model, {torch.float32: 50})
+    assert not runs_eagerly(model, backbone, cache, 20, WIDTH_BUCKETS)  # not prepacked for 20 rows: the graph
 
 
 def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a_weight_change():
