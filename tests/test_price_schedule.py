@@ -5,6 +5,7 @@ are exact: the same tokens cached, static, recomputed, batched and alone, for a 
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -330,6 +331,27 @@ def test_a_table_learns_its_widths_fastest_forwards_and_finds_itself_stale_below
     assert prices.stale() == (4, 1.4)
 
 
+def test_a_table_measured_in_this_process_keeps_its_ratios_where_the_one_query_price_was_beaten(monkeypatch):
+    """The one-query forward runs most, so a decode sees its fastest: the machine was busy while measuring, and every
+    width scales by as much, where a width beaten further takes its own time. Where only a wider width was beaten
+    (measured dearer on its own than amid a decode), that width alone takes the decode's time."""
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
+    measured = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.6}
+    model = SimpleNamespace(_refusion_prices={"key": dict(measured)}, _refusion_prices_measured={"key"})
+    prices = ForwardPrices(measured, key="key")
+    for width, seconds in ((1, 0.5), (4, 1.0), (8, 0.6)):  # 4: not beaten (0.83 of its price); 8: beaten further
+        prices.observe(width, seconds)
+    generation_refusion.forget_stale_prices(model, prices)
+    assert model._refusion_prices["key"] == pytest.approx({1: 0.5, 2: 0.55, 4: 0.6, 8: 0.6})
+
+    model = SimpleNamespace(_refusion_prices={"key": dict(measured)}, _refusion_prices_measured={"key"})
+    prices = ForwardPrices(measured, key="key")
+    for width, seconds in ((1, 0.9), (4, 0.7)):  # the one-query forward as measured, four queries beaten
+        prices.observe(width, seconds)
+    generation_refusion.forget_stale_prices(model, prices)
+    assert model._refusion_prices["key"] == pytest.approx({1: 1.0, 2: 1.1, 4: 0.7, 8: 1.6})
+
+
 CHEAP = {1: 1e-9, 2: 1.5e-9, 64: 8e-9}  # below any forward: a table no decode beats
 
 
@@ -374,8 +396,9 @@ def test_a_table_measured_in_this_process_that_decodes_beat_takes_their_times(tm
     ((key, table),) = json.loads(path.read_text()).items()
     assert measured == [1] and "measured again" not in caplog.text
     beaten = {int(width) for width, price in table.items() if price < dear[int(width)]}
-    assert beaten and all(table[str(width)] < 1.0 for width in beaten)  # this decode's times
-    assert all(table[str(width)] == price for width, price in dear.items() if width not in beaten)
+    assert 1 in beaten and all(table[str(width)] < 1.0 for width in beaten)  # this decode's times
+    scale = table["1"] / dear[1]  # and as the one-query price was beaten, every width scaled by as much
+    assert all(table[str(width)] <= price * scale * (1 + 1e-12) for width, price in dear.items())
     assert model._refusion_prices[key] == {int(width): price for width, price in table.items()}
     model.generate(PROMPT, **settings)
     assert measured == [1]  # not measured again
