@@ -147,7 +147,8 @@ def main() -> None:
                                compile_cache_dir=args.compile_cache_dir)  # fmt: skip
         warm_up = decode_static_ar(static_ar, tokenizer, prompts[:1], 3, eos_token_id=[], **static_settings)
         name = "static AR" + (" (frozen)" if args.freeze else "")
-        print(f"{name}: warm-up (compiling its one-query step) {warm_up.seconds:.1f} s ({dtype})", flush=True)
+        print(f"{name}: warm-up (compiling its one-query step and its prompts' bucket) {warm_up.seconds:.1f} s "
+              f"({dtype})", flush=True)  # fmt: skip
         decoders[name] = partial(decode_static_ar, static_ar, tokenizer, max_new_tokens=args.max_new_tokens,
                                  **static_settings)  # fmt: skip
     decoders.update(refusions)
