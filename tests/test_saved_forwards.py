@@ -69,7 +69,7 @@ def test_a_weight_change_means_other_packages(tmp_path):
     copy of the model (a later process loading the same checkpoint) the same key."""
     model = sharpened_model("qwen2", scale=4.0)
     config = compile_config()
-    shape = (1, 8, 128)
+    shape = (1, 8, 128, 128)
     first = compiled_backbone(model, config, tmp_path)
     assert isinstance(first, SavedForwards) and compiled_backbone(model, config, tmp_path) is first
     assert SavedForwards(copy.deepcopy(model), config, tmp_path).path(shape) == first.path(shape)
@@ -79,13 +79,14 @@ def test_a_weight_change_means_other_packages(tmp_path):
     assert second is not first and second.path(shape) != first.path(shape)
     keys = {
         second.path(shape),
-        second.path((2, 8, 128)),
-        second.path((1, 16, 128)),
-        second.path((1, 8, 256)),
+        second.path((2, 8, 128, 128)),
+        second.path((1, 16, 128, 128)),
+        second.path((1, 8, 256, 256)),
+        second.path((1, 8, 256, 128)),  # a key window of its cache
         SavedForwards(model, compile_config(freezing=True), tmp_path).path(shape),
         SavedForwards(model.to(torch.float32), config, tmp_path).path(shape),
     }
-    assert len(keys) == 6
+    assert len(keys) == 7
 
 
 def test_an_attention_change_means_another_backbone_and_other_packages(tmp_path, compiles):
@@ -93,7 +94,7 @@ def test_an_attention_change_means_another_backbone_and_other_packages(tmp_path,
     switching it gives a fresh backbone whose packages have other keys, and each decodes the eager tokens of its own
     implementation (eager attention is the decoding policy's for compiled forwards on a CPU)."""
     model = sharpened_model("llama", scale=4.0)
-    config, shape = compile_config(), (1, 8, 128)
+    config, shape = compile_config(), (1, 8, 128, 128)
     saved = dict(SETTINGS, compile_config=config, compile_cache_dir=str(tmp_path))
     paths = {}
     for implementation in ("sdpa", "eager"):

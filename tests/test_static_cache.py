@@ -11,10 +11,12 @@ from transformers import CompileConfig, DynamicCache, GenerationConfig
 import generation_refusion
 import kernels_refusion
 from generation_refusion import (
+    CACHE_LENGTH_MULTIPLE,
     LOGITS_IN_GRAPH_WIDTH,
     NARROW_BUCKETS,
     NO_GROUP,
     WIDTH_BUCKETS,
+    WINDOW_WIDTH,
     AcceptanceProfile,
     SlotCache,
     SlotDecoder,
@@ -28,6 +30,8 @@ from generation_refusion import (
     execute,
     first_rejected,
     judge_infill,
+    key_window,
+    key_windows,
     pad_width,
     resolve_settings,
     run_model,
@@ -117,6 +121,59 @@ def test_the_static_cache_is_reused_while_it_fits_and_replaced_when_it_does_not(
     assert torch.equal(
         model.generate(prompt, cache_implementation="static", **settings), model.generate(prompt, **settings)
     )
+
+
+def test_narrow_forwards_attend_over_the_fewest_columns_that_hold_their_tokens():
+    assert CACHE_LENGTH_MULTIPLE == 128 and WINDOW_WIDTH == 8
+    assert key_windows(128) == [128] and key_windows(256) == [128, 256] and key_windows(640) == [128, 256, 512, 640]
+    assert key_windows(85) == [85]  # a cache shorter than one multiple is its only window
+    assert [key_window(needed, 1, 640) for needed in (1, 128, 129, 300, 513, 640)] == [128, 128, 256, 512, 640, 640]
+    assert key_window(100, WINDOW_WIDTH, 256) == 128 and key_window(100, WINDOW_WIDTH + 1, 256) == 256  # wider: all
+    model = sharpened_model("llama", scale=4.0)
+    cache = SlotCache(model, 1, 256)
+    layout = StaticLayout(cache, 1, model.device)
+    batch = {name: torch.full((1, 4), value) for name, value in generation_refusion.PADDING.items()}
+    for pointer, window in ((0, 128), (124, 128), (125, 256)):
+        layout.pointers = [pointer]
+        mask = layout.mask(batch, [4], model.dtype)
+        assert cache.window == window and mask.shape == (1, 1, 4, window)  # the mask covers the window, set with it
+        new = torch.ones(1, *cache.layers[0].keys.shape[1:2], 4, cache.layers[0].keys.shape[3], dtype=model.dtype)
+        keys, values = cache.update(new, 2 * new, 0)  # written at the pointer, attended over the window
+        assert keys.shape[2] == values.shape[2] == window
+        assert torch.equal(values[0, :, pointer : pointer + 4], 2 * new[0])
+
+
+def test_a_decode_whose_forwards_outgrow_a_key_window_gives_the_dynamic_tokens(monkeypatch):
+    """Over a cache of 256 columns the narrow forwards attend over 128 until the stored tokens and the new ones no
+    longer fit, then over 256 (eagerly and compiled, where `compile_forwards` compiled both windows up front and the
+    decode compiles nothing): the tokens of the dynamic cache either way."""
+    model = sharpened_model("qwen2", scale=4.0)
+    prompt = (torch.arange(100, 210) % 97 + 3)[None]  # 110 tokens: the answer's forwards cross column 128
+    settings = dict(max_new_tokens=32, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3,
+                    eos_token_id=[], pad_token_id=0)  # fmt: skip
+    dynamic = model.generate(prompt, **settings)
+    windows, choose = [], generation_refusion.key_window
+
+    def chosen(needed, width, max_cache_len):
+        windows.append((width, choose(needed, width, max_cache_len)))
+        return windows[-1][1]
+
+    monkeypatch.setattr(generation_refusion, "key_window", chosen)
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **settings), dynamic)
+    assert model._refusion_slot_cache.max_cache_len == 256
+    assert {window for width, window in windows if width <= WINDOW_WIDTH} == {128, 256}
+    assert all(window == 256 for width, window in windows if width > WINDOW_WIDTH)
+    config = compile_config()
+    compile_masks(model.dtype)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compile_forwards(model, config, 1, static_cache_columns(prompt.shape[1], 32, 4, 8))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS) + 1  # 8: 2 windows
+    windows.clear()
+    compiled = dict(settings, cache_implementation="static", compile_config=config)
+    assert torch.equal(model.generate(prompt, **compiled), dynamic)
+    assert {window for width, window in windows if width <= WINDOW_WIDTH} == {128, 256}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS) + 1  # none since
 
 
 def test_widths_pad_to_buckets_only_when_compiled_and_priced_drafts_get_narrow_ones():
