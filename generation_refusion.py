@@ -1007,6 +1007,8 @@ class Infilling:
         return sum(count - stored for count, stored in zip(self.counts, self.stored))
 
     def select(self, rows: list[int]) -> "Infilling":
+        if rows == list(range(len(self.slots))):  # all of them: no copy of the tokens
+            return self
         return Infilling(
             [self.slots[row] for row in rows],
             self.tokens[upload(rows, self.tokens.device)],
@@ -1355,26 +1357,30 @@ class SlotDecoder:
     def _infill_queries(self, phase: Phase) -> Queries:
         """One round for all the slots: `[fresh accepted tokens | MASK queries (fused) | drafts]`. Fresh tokens stay
         in the sequence (in their slot's group); the drafts are checked, the model's own token replaces the first
-        rejected one, and the rest are redrafted from the same forward."""
+        rejected one, and the rest are redrafted from the same forward. Every field but the token ids is known to
+        the host and goes to the device with the round's layout (`_infill_layout`); the ids are gathered from the
+        slots' tokens."""
         state = phase.state
         windows = self._infill_windows(state)
-        layout = self._infill_layout(state, windows)
-        groups = upload(state.groups, self.device)
-        index = layout["index"]
-        parts = [self._grouped(state, index, layout["fresh"], state.tokens, groups)]
+        spans = [("fresh", state.groups, None)]
         if self.settings.fused_redraft and not self.settings.lookup_drafts and max(windows) > 0:
             # (with no drafts there is nothing to redraft; copied drafts are found again after each round)
-            masks = torch.full_like(state.tokens, self.settings.mask_token_id)
-            mask_groups = upload(self._new_groups(len(state.slots)), self.device)
-            parts.append(self._grouped(state, index, layout["checked"], masks, mask_groups, parents=groups))
-        parts.append(self._grouped(state, index, layout["queried"], state.tokens, groups))
-        phase.read.update(layout, parts=parts)
-        return Queries.cat(parts)
+            spans.append(("checked", self._new_groups(len(state.slots)), state.groups))
+        spans.append(("queried", state.groups, None))
+        layout = self._infill_layout(state, windows, spans)
+        fields, at = layout["fields"], layout["at"]
+        ids = state.tokens.flatten()[at]
+        sizes = [len(layout[name]) for name, _, _ in spans]
+        if len(spans) == 3:
+            ids[sizes[0] : sizes[0] + sizes[1]] = self.settings.mask_token_id
+        queries = Queries(torch.cat([ids[None], fields]))
+        phase.read.update(layout, sizes=sizes, fresh_queries=Queries(queries.fields[:, : sizes[0]]))
+        return queries
 
     def _scored_whole(self, phase: Phase) -> bool:
         """Whether the phase's logits are scored by one step function (`score_infill`): a greedy infill round with
         no `[MASK]` queries (`fused_redraft`)."""
-        return self.score_all_rows and phase.kind == self.INFILL and len(phase.read["parts"]) == 2
+        return self.score_all_rows and phase.kind == self.INFILL and len(phase.read["sizes"]) == 2
 
     def _score_infill(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
@@ -1388,16 +1394,17 @@ class SlotDecoder:
             )  # fmt: skip
             self.profile.record(AcceptanceProfile.REDRAFT, marks)
             return values
-        index, fresh, queried, checked = (read[name] for name in ("index", "fresh", "queried", "checked"))
-        parts = read["parts"]
-        num_fresh, num_queried = len(parts[0]), len(parts[-1])
+        index = read["index"]
+        at = [read[name] for name in ("fresh", "queried", "checked")]
+        fresh, queried, checked = upload(sum(at, []), self.device).split(list(map(len, at)))
+        num_fresh, num_queried = read["sizes"][0], read["sizes"][-1]
         row_of = torch.zeros_like(index)
         row_of.view(-1)[fresh] = torch.arange(num_fresh, device=self.device)
         row_of.view(-1)[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
         ar_tokens, ar_probability = self._ar_check(logits, source.flatten()[checked], state.tokens, index, checked)
         redrafts = None  # the model's own tokens
-        if len(parts) == 3:  # fused: the [MASK] queries' drafts
+        if len(read["sizes"]) == 3:  # fused: the [MASK] queries' drafts
             mask_rows = torch.arange(num_fresh, len(logits) - num_queried, device=self.device)
             redrafts = state.tokens.clone()
             redrafts.view(-1)[checked] = self._pick(logits, mask_rows, index.flatten()[checked], state.tokens,
@@ -1415,7 +1422,7 @@ class SlotDecoder:
 
     def _infilled(self, phase: Phase, values: list[int]) -> Phase:
         state, slots = phase.state, len(phase.state.slots)
-        self.record.keep(phase.read["parts"][0])
+        self.record.keep(phase.read["fresh_queries"])
         state.stored, state.tokens, state.counts = state.counts, phase.read["tokens"], values[:slots]
         if self.settings.lookup_drafts:
             state.found = values[2 * slots :]
@@ -1658,29 +1665,52 @@ class SlotDecoder:
         """Whether `slots` chosen slots would take drafts into their verify forward or their first infill round."""
         return self._verify_width(slots) > 1 or self._priced_window(slots, slots) > 0
 
-    def _infill_layout(self, state: Infilling, windows: list[int]) -> dict:
+    def _infill_layout(self, state: Infilling, windows: list[int], spans: list[tuple]) -> dict:
         """Where the tokens of an infill round go, as flat positions in `[slots, slot_size]`: `fresh` accepted tokens
         not yet stored, drafts `queried` in the forward, and the positions `checked` by it (below `until`): the first
         draft by the last fresh token, each later one by the draft before it. At most `windows[i]` drafts of slot i
-        are queried; the last position of a slot scores nothing in it, so its draft is never queried. The sizes come
-        from the host's counts, so finding the positions does not wait for the device."""
-        size = self.settings.slot_size
+        are queried; the last position of a slot scores nothing in it, so its draft is never queried. The host finds
+        them from its counts (lists), and the forward's queries from them: `spans` of (positions, each slot's group,
+        each slot's parent group or None), in order; it uploads in one call what the device needs (the positions'
+        masks, the counts and ends, the slots' answer indices, the queries' fields but their ids, as `Queries` rows
+        1-5, and `at`, where in the slots' tokens each query's id is)."""
+        size, slots, start = self.settings.slot_size, len(state.slots), self.prompt.shape[0]
         until = [min(count + window + 1, size) for count, window in zip(state.counts, windows)]  # > count: open
-        counts, stored, ends = upload([state.counts, state.stored, until], self.device)
-        fresh = (self.offsets >= stored[:, None]) & (self.offsets < counts[:, None])
-        checked = (self.offsets >= counts[:, None]) & (self.offsets < ends[:, None])
-        queried = checked & (self.offsets < ends[:, None] - 1)
-        num_checked = sum(end - count for end, count in zip(until, state.counts))
+        layout = dict(fresh=[], checked=[], queried=[])
+        for row, (count, stored, end) in enumerate(zip(state.counts, state.stored, until)):
+            first = row * size
+            layout["fresh"] += range(first + stored, first + count)
+            layout["checked"] += range(first + count, first + end)
+            layout["queried"] += range(first + count, first + end - 1)
+        flags = [[0] * (slots * size) for _ in range(3)]
+        for row_flags, name in zip(flags, ("fresh", "queried", "checked")):
+            for position in layout[name]:
+                row_flags[position] = 1
+        index = [slot * size + offset for slot in state.slots for offset in range(size)]
+        at, rope, groups, parents = [], [], [], []
+        for name, slot_groups, slot_parents in spans:
+            for position in layout[name]:
+                row = position // size
+                at.append(position)
+                rope.append(start + index[position])
+                groups.append(slot_groups[row])
+                parents.append(NO_GROUP if slot_parents is None else slot_parents[row])
+        n = len(at)
+        values = upload([*state.counts, *until, *index, *flags[0], *flags[1], *flags[2],
+                         *rope, *at, *[state.prefix] * n, *groups, *parents, *at], self.device)  # fmt: skip
+        counts, ends, index_tensor, masks, fields, at_tensor = values.split([slots, slots, slots * size,
+                                                                             3 * slots * size, 5 * n, n])  # fmt: skip
+        masks = masks.view(3, slots, size).bool()
         return dict(
-            index=self._slot_index(state.slots),
-            fresh=positions(fresh, state.fresh),
-            checked=positions(checked, num_checked),
-            queried=positions(queried, num_checked - len(state.slots)),
-            fresh_mask=fresh,
-            queried_mask=queried,
-            checked_mask=checked,
+            layout,
+            index=index_tensor.view(slots, size),
+            fresh_mask=masks[0],
+            queried_mask=masks[1],
+            checked_mask=masks[2],
             counts=counts,
             until=ends,
+            fields=fields.view(5, n),  # positions, ranks (a placeholder: set when requested), prefixes, groups, parents
+            at=at_tensor,
         )
 
     def _look_up(self, index, tokens, counts) -> tuple[torch.Tensor, torch.Tensor]:

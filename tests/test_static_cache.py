@@ -18,6 +18,8 @@ from generation_refusion import (
     WIDTH_BUCKETS,
     WINDOW_WIDTH,
     AcceptanceProfile,
+    Infilling,
+    Phase,
     SlotCache,
     SlotDecoder,
     StaticLayout,
@@ -105,6 +107,44 @@ def test_the_static_cache_holds_exactly_the_committed_tokens_with_their_original
     for layer, expected in zip(cache.layers, reference.layers):  # columns 0 .. stored - 1: the stored tokens, in order
         torch.testing.assert_close(layer.keys[:, :, :stored], expected.keys[:, :, :stored], rtol=0, atol=1e-10)
         torch.testing.assert_close(layer.values[:, :, :stored], expected.values[:, :, :stored], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_infill_round_queries_fresh_tokens_masks_and_drafts_at_their_slots_positions_and_groups(fused):
+    """The host builds an infill round's queries from its counts: fresh accepted tokens (stored from `stored` up to
+    `counts`), with `fused_redraft` a `[MASK]` query at each position checked (from the count up to the draft window
+    and one more), then the drafts queried (the checked positions but each slot's last); each at its slot's RoPE
+    positions, in its slot's group (the `[MASK]` queries in new groups whose parent is the slot's)."""
+    model = sharpened_model("llama", scale=4.0)
+    options = dict(eos_token_id=[], max_new_tokens=16, slot_size=4, fused_redraft=fused, draft_window=2)
+    settings, _ = resolve_settings(model, None, PROMPT.shape[1], options)
+    decoder, start, mask_id = SlotDecoder(PROMPT[0], settings), PROMPT.shape[1], settings.mask_token_id
+    state = Infilling(slots=[3, 0, 2], tokens=torch.arange(100, 112).view(3, 4), counts=[1, 2, 0], stored=[0, 2, 0],
+                      groups=[7, 8, 9], prefix=11)  # fmt: skip
+    group = decoder.next_group
+    phase = Phase(SlotDecoder.INFILL, state=state)
+    ids, rope, _, prefixes, groups, parents = decoder._infill_queries(phase).fields.tolist()
+    # fresh: slot 3's first token; checked: slot 3 at 1-3, slot 0 at 2-3, slot 2 at 0-2; queried: those but the last
+    expected = dict(ids=[100], rope=[start + 12], groups=[7], parents=[NO_GROUP])
+    if fused:
+        expected["ids"] += [mask_id] * 8
+        expected["rope"] += [start + offset for offset in (13, 14, 15, 2, 3, 8, 9, 10)]
+        expected["groups"] += [group] * 3 + [group + 1] * 2 + [group + 2] * 3
+        expected["parents"] += [7, 7, 7, 8, 8, 9, 9, 9]
+    expected["ids"] += [101, 102, 106, 108, 109]
+    expected["rope"] += [start + offset for offset in (13, 14, 2, 8, 9)]
+    expected["groups"] += [7, 7, 8, 9, 9]
+    expected["parents"] += [NO_GROUP] * 5
+    assert dict(ids=ids, rope=rope, groups=groups, parents=parents) == expected
+    assert prefixes == [11] * len(ids)
+    read = phase.read
+    assert read["sizes"] == ([1, 8, 5] if fused else [1, 5]) and read["fresh_queries"].fields[0].tolist() == [100]
+    assert read["fresh_mask"].tolist() == [[True, False, False, False], [False] * 4, [False] * 4]
+    checked, queried = read["checked_mask"].tolist(), read["queried_mask"].tolist()
+    assert checked == [[False, True, True, True], [False, False, True, True], [True, True, True, False]]
+    assert queried == [[False, True, True, False], [False, False, True, False], [True, True, False, False]]
+    assert read["counts"].tolist() == [1, 2, 0] and read["until"].tolist() == [4, 4, 3]
+    assert read["index"].tolist() == [[12, 13, 14, 15], [0, 1, 2, 3], [8, 9, 10, 11]]
 
 
 def test_the_static_cache_is_reused_while_it_fits_and_replaced_when_it_does_not():
