@@ -127,6 +127,14 @@ CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that p
 # bfloat16, AMX CPU: 12.6-13.1 ms over 256 columns, against the AR's 12.1-12.5 over 128). Each window is a graph of
 # its own; wider forwards, rare after the prompt's, attend over the whole cache, which bounds the graphs compiled.
 WINDOW_WIDTH = 8
+# Inductor's CPU kernels split a loop among the threads once each thread would get `cpp.min_chunk_size` elements
+# (512 by default). A decoding forward's element-wise kernels (norms, RoPE, activations, the queries stacked for
+# attention) over 2-8 new tokens hold a few thousand elements, for which starting and joining the threads costs more
+# than the work: compiled forwards and steps on a CPU keep loops of fewer than `CPU_MIN_CHUNK` elements a thread on
+# one thread (a compile config's own `cpp.min_chunk_size` option wins). SmolLM2's saved forwards over 128 columns,
+# bfloat16, AMX CPU, 2 threads: 2 / 4 / 8 queries 13.0 / 13.4 / 14.3 ms against 13.3 / 13.8 / 14.4 with the default,
+# one query unchanged, the same logits bit for bit (benchmarks/results/smollm2-amx-2026-12-05/probes.md).
+CPU_MIN_CHUNK = 8192
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
 # empty: keep none). Measuring stops at the first width that costs `PRICE_LINEAR` times its width in one-query
@@ -2055,9 +2063,11 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
                 decoder_function(model, logits_width), **arguments, options=options or None
             )
 
+            kernels = cpu_kernel_configs(model.device, {"freezing": freezing})
+
             def backbone(**inputs):
                 limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-                with torch._dynamo.config.patch(recompile_limit=limit), torch._inductor.config.patch(freezing=freezing):
+                with torch._dynamo.config.patch(recompile_limit=limit), torch._inductor.config.patch(kernels):
                     return compiled_function(inputs)
 
             backbone.logits_width = logits_width
@@ -2096,7 +2106,7 @@ class SavedForwards:
             )
         mode_options = torch._inductor.list_mode_options(compile_config.mode or "default")
         mode_options.pop("triton.cudagraphs", None)
-        configs = {**mode_options, **(compile_config.options or {})}
+        configs = cpu_kernel_configs(model.device, {**mode_options, **(compile_config.options or {})})
         self.attempts = [configs]  # the inductor configs to compile a package with, in turn until one compiles
         autotuned = configs.get("max_autotune") or configs.get("max_autotune_gemm")
         if model.device.type == "cpu" and autotuned and freezes_weights(compile_config) and not onednn_bfloat16() \
@@ -2223,7 +2233,8 @@ class SavedStep:
                 shapes.append({axis: dimensions[name] for axis, name in axes.items()} or None)
             module = StepModule(self.function, arguments, self.tensors)
             exported = torch.export.export(module, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
-            torch._inductor.aoti_compile_and_package(exported, package_path=package_path)
+            configs = cpu_kernel_configs(examples[0].device, {})
+            torch._inductor.aoti_compile_and_package(exported, package_path=package_path, inductor_configs=configs)
 
         path = self.folder / f"step-{hashlib.sha256(self.key(signature, constants).encode()).hexdigest()[:32]}.pt2"
         return load_or_build_package(path, build, "step").loader
@@ -2285,6 +2296,14 @@ class ExportedBackbone(torch.nn.Module):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         )
         return output.last_hidden_state if self.head is None else self.head(output.last_hidden_state)
+
+
+def cpu_kernel_configs(device, configs: dict) -> dict:
+    """Inductor `configs` for compiling forwards or steps on `device`, with `cpp.min_chunk_size` at `CPU_MIN_CHUNK`
+    on a CPU where they do not name it."""
+    if torch.device(device).type == "cpu":
+        return {"cpp.min_chunk_size": CPU_MIN_CHUNK, **configs}
+    return configs
 
 
 def onednn_bfloat16() -> bool:

@@ -3,6 +3,7 @@ that a later decode loads instead of compiling, keyed by everything they hold, a
 does not load."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,6 +181,47 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
     monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
     attempts = SavedForwards(model, autotuned, tmp_path).attempts
     assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [None]
+
+
+def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp_path, monkeypatch):
+    """On a CPU every package, forward or step, compiles with inductor's `cpp.min_chunk_size` at `CPU_MIN_CHUNK` (a
+    decoding forward's element-wise loops are too small to pay for a second thread), or for forwards at the compile
+    config's own value; forwards compiled by `torch.compile` run under it too. The tokens stay the eager ones."""
+    chunks, compile_package = [], torch._inductor.aoti_compile_and_package
+
+    def recorded(exported, package_path, inductor_configs=None):
+        step = Path(package_path).name.startswith("step-")
+        chunks.append(("step" if step else "forward", (inductor_configs or {}).get("cpp.min_chunk_size")))
+        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
+    model = sharpened_model("llama", scale=4.0)
+    ids, mask = left_padded(PROMPTS)
+    eager = model.generate(ids, attention_mask=mask, **SETTINGS)
+    saved = dict(SETTINGS, compile_config=compile_config(), compile_cache_dir=str(tmp_path))
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
+    assert {kind for kind, _ in chunks} == {"forward", "step"}
+    assert {chunk for _, chunk in chunks} == {generation_refusion.CPU_MIN_CHUNK}
+    own = compile_config(**{"cpp.min_chunk_size": 64})
+    assert [configs["cpp.min_chunk_size"] for configs in SavedForwards(model, own, tmp_path).attempts] == [64]
+
+    seen, compile_function = [], torch.compile
+
+    def watched(function, **kwargs):
+        compiled = compile_function(function, **kwargs)
+
+        def run(*args):
+            seen.append(torch._inductor.config.cpp.min_chunk_size)
+            return compiled(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", watched)
+    model = sharpened_model("qwen2", scale=4.0)
+    output, logits = causal_forward(model, compiled_backbone(model, compile_config()), 2)
+    eager_logits = model(input_ids=torch.arange(3, 3 + 6 + 2)[None]).logits[:, -2:]
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
+    assert seen and set(seen) == {generation_refusion.CPU_MIN_CHUNK}
 
 
 # ---- step functions compiled ahead of time --------------------------------------------------------------------------
