@@ -2436,6 +2436,7 @@ def execute(
     prices = decoders[0].prices if isinstance(cache, SlotCache) else None
     prices = prices if prices is not None and prices.key is not None else None
     padding = upload(list(PADDING.values()), device)[:, None]
+    dtype = model.dtype  # (read once: transformers finds it by walking the parameters, each time)
     forwards = 0
     while live := [row for row, request in enumerate(requests) if request is not None]:
         rows = layout.batch_rows(live)
@@ -2449,7 +2450,7 @@ def execute(
             width = pricing.run_width(width)
         # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
         batch = padded_batch(batch_requests, width, padding)
-        mask = layout.mask(batch, sizes, model.dtype)
+        mask = layout.mask(batch, sizes, dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
         started = time.perf_counter()
         logits = run_model(model, graph, batch, mask, cache, num_logits)
