@@ -944,10 +944,6 @@ class Queries:
         prefixes = torch.arange(start, start + ids.shape[0], device=ids.device)
         return cls.of(ids, positions, prefixes, torch.full_like(ids, group), torch.full_like(ids, NO_GROUP))
 
-    @classmethod
-    def cat(cls, parts: list["Queries"]) -> "Queries":
-        return cls(torch.cat([part.fields for part in parts], dim=1))
-
     def __len__(self) -> int:
         return self.fields.shape[1]
 
