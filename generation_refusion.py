@@ -127,6 +127,7 @@ CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that p
 # bfloat16, AMX CPU: 12.6-13.1 ms over 256 columns, against the AR's 12.1-12.5 over 128). Each window is a graph of
 # its own; wider forwards, rare after the prompt's, attend over the whole cache, which bounds the graphs compiled.
 WINDOW_WIDTH = 8
+NARROW_WIDTHS = f"2-{WINDOW_WIDTH}"  # the widths whose saved forwards share a package, on some CPUs (`SavedForwards`)
 # Inductor's CPU kernels split a loop among the threads once each thread would get `cpp.min_chunk_size` elements
 # (512 by default). A decoding forward's element-wise kernels (norms, RoPE, activations, the queries stacked for
 # attention) over 2-8 new tokens hold a few thousand elements, for which starting and joining the threads costs more
@@ -2092,7 +2093,15 @@ class SavedForwards:
     for some product (a dtype it does not cover), the package is compiled with the backends the config gives. Where
     oneDNN has bfloat16 kernels (AVX512-BF16, AMX) autotuning chooses freely: on an AMD Zen 4 it took oneDNN's packed
     product from 8 rows (the template there multiplies bfloat16 in float32), and SmolLM2's saved 8-query forward cost
-    26-32 ms against 50-52 with the template alone."""
+    26-32 ms against 50-52 with the template alone.
+
+    On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of 2 to `WINDOW_WIDTH` new tokens
+    share one package a key window, their width a dynamic dimension, its products from the C++ template alone (there
+    autotuning takes it for each width anyway; left to choose for a width it does not know, it took oneDNN's, 17-21 ms
+    against 13-14): each package holds its own frozen copy of the weights, and a decode that goes from width to width
+    among packages pays for fetching another copy (SmolLM2, bfloat16, 2 / 4 / 8 queries run in turn: 12.0-12.8 /
+    12.5-13.1 / 13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each, the same logits bit for bit). Elsewhere
+    (measured on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a package of its own."""
 
     def __init__(self, model, compile_config: CompileConfig, folder: Path):
         if compile_config.backend != "inductor":
@@ -2111,6 +2120,12 @@ class SavedForwards:
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
+        # the inductor configs of the narrow widths' shared package, in turn; None: a package a width
+        self.narrow_attempts = None
+        if amx_bfloat16(model.device) and autotuned and self.logits_width >= WINDOW_WIDTH \
+                and configs.get("max_autotune_gemm_backends", "CPP") == "CPP":  # fmt: skip
+            template = {**configs, "max_autotune_gemm_backends": "CPP"}
+            self.narrow_attempts = [template] if template == configs else [template, configs]
         # the decoder's attention masks, scoring, whole infill rounds and copied drafts, compiled ahead of time beside
         # the forwards (a fused-redraft round's decision stays compiled)
         self.steps = dataclasses.replace(
@@ -2127,14 +2142,21 @@ class SavedForwards:
         )  # fmt: skip
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
-        shape = (*input_ids.shape, cache.max_cache_len, cache.window)
+        batch_size, width = input_ids.shape
+        shared = self.narrow_attempts is not None and 2 <= width <= WINDOW_WIDTH
+        shape = (batch_size, NARROW_WIDTHS if shared else width, cache.max_cache_len, cache.window)
         attention_mask = attention_mask.contiguous()  # (a key window's columns of the mask)
         if shape not in self.runners:
             inputs = (
                 input_ids, position_ids, attention_mask, cache.columns,
                 [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
             )  # fmt: skip
-            self.runners[shape] = self.load_or_compile(shape, inputs, cache).loader
+            try:
+                self.runners[shape] = self.load_or_compile(shape, inputs, cache).loader
+            except FixedWidth as error:
+                logger.warning(f"{error}; the narrow widths get a package each.")
+                self.narrow_attempts = None
+                return self(input_ids, position_ids, attention_mask, cache, use_cache)
         # the package's inputs as its pytree flattens them, run boxed: its own call reads its specs from JSON and
         # flattens the inputs every time
         flat = [input_ids, position_ids, attention_mask, cache.columns]
@@ -2144,24 +2166,40 @@ class SavedForwards:
     def __deepcopy__(self, memo):
         return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
 
-    def path(self, shape: tuple[int, int, int, int]) -> Path:
-        """Where the package of forwards of `shape` (batch size, width, cache length, key window) is kept."""
+    def path(self, shape: tuple[int, int | str, int, int]) -> Path:
+        """Where the package of forwards of `shape` (batch size, width or `NARROW_WIDTHS`, cache length, key window)
+        is kept."""
         key = f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}, window {shape[3]}"
         return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
 
-    def load_or_compile(self, shape: tuple[int, int, int, int], inputs: tuple, cache: "SlotCache"):
+    @property
+    def kind(self) -> str:
+        """The forwards' path as a price table's key names it (`price_key`)."""
+        shared = f", widths {NARROW_WIDTHS} in one package" if self.narrow_attempts is not None else ""
+        return f"saved (AOTInductor){shared}"
+
+    def load_or_compile(self, shape: tuple[int, int | str, int, int], inputs: tuple, cache: "SlotCache"):
+        shared = shape[1] == NARROW_WIDTHS
+        attempts = self.narrow_attempts if shared else self.attempts
+
         def build(package_path: str):
-            head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
+            widest = WINDOW_WIDTH if shared else shape[1]
+            head = self.model.get_output_embeddings() if widest <= self.logits_width else None
             backbone = ExportedBackbone(self.model.get_decoder(), cache, shape[3], head)
-            exported = torch.export.export(backbone, inputs, strict=False)
-            for attempt, configs in enumerate(self.attempts, 1):
+            exported = torch.export.export(
+                backbone, inputs, dynamic_shapes=narrow_shapes(len(cache.layers)) if shared else None, strict=False
+            )
+            served = exported_widths(exported)
+            if shared and not (served and served[0] <= 2 and served[1] >= WINDOW_WIDTH):
+                raise FixedWidth(f"The forward of {shape} exported for widths {served or 'fixed'}, not {NARROW_WIDTHS}")
+            for attempt, configs in enumerate(attempts, 1):
                 try:
                     torch._inductor.aoti_compile_and_package(
                         exported, package_path=package_path, inductor_configs=configs
                     )
                     return
                 except Exception as error:
-                    if attempt == len(self.attempts):
+                    if attempt == len(attempts):
                         raise
                     logger.warning(f"Compiling the forward of {shape} with inductor's C++ GEMM template alone failed "
                                    f"({type(error).__name__}: {str(error)[:300]}); compiling it with the compile "
@@ -2273,6 +2311,31 @@ class StepModule(torch.nn.Module):
         return self.function(*arguments)
 
 
+class FixedWidth(Exception):
+    """The forward exported for the narrow widths' shared package does not serve them all (the trace fixed its
+    width): `SavedForwards` then compiles a package a width."""
+
+
+def narrow_shapes(layers: int) -> tuple:
+    """`torch.export`'s dynamic shapes for `ExportedBackbone`'s inputs with the width (new tokens) dynamic: the ids',
+    positions' and write columns' second dimension and the mask's third; the cache's `layers` keys and values fixed.
+    (`Dim.AUTO`, not a `Dim` bounded to `WINDOW_WIDTH`: the trace cannot prove that bound, and a narrower range than
+    the package serves is checked after the export, `exported_widths`.)"""
+    width = torch.export.Dim.AUTO
+    return {1: width}, {1: width}, {2: width}, {1: width}, [None] * layers, [None] * layers
+
+
+def exported_widths(exported) -> tuple[int, float] | None:
+    """The widths (least, most) an exported forward serves: the range of its input ids' second dimension, None where
+    the export fixed it."""
+    name = exported.graph_signature.user_inputs[0]
+    width = next(node for node in exported.graph.nodes if node.name == name).meta["val"].shape[1]
+    if not isinstance(width, torch.SymInt):
+        return None
+    bounds = exported.range_constraints[width.node.expr]
+    return int(bounds.lower), float(bounds.upper)
+
+
 class ExportedBackbone(torch.nn.Module):
     """The backbone as `torch.export` takes it: the cache's key/value tensors and write columns are inputs (written in
     place), so a package serves any cache of the same shape; attention is over its first `window` columns. Returns the
@@ -2300,6 +2363,11 @@ def cpu_kernel_configs(device, configs: dict) -> dict:
     if torch.device(device).type == "cpu":
         return {"cpp.min_chunk_size": CPU_MIN_CHUNK, **configs}
     return configs
+
+
+def amx_bfloat16(device) -> bool:
+    """Whether `device` is a CPU with AMX's bfloat16 tiles (Intel Sapphire Rapids and later)."""
+    return torch.device(device).type == "cpu" and bool(torch.cpu.get_capabilities().get("amx_bf16"))
 
 
 def onednn_bfloat16() -> bool:
@@ -2639,10 +2707,10 @@ def measure_forward_prices(
     return {width: fastest(width) for width in measured}
 
 
-def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None, saved=False) -> str:
+def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buckets=None, saved: str = "") -> str:
     """What a price table holds for: the model (name, config, kinds of linear layer, attention implementation), the
-    device and threads, the dtype, the forward path (eager, or the compile config, width `buckets` and whether the
-    forwards are `saved` ones), the batch size and cache length, and torch's version."""
+    device and threads, the dtype, the forward path (eager, or the compile config, width `buckets` and for saved
+    forwards their `saved` kind, `SavedForwards.kind`), the batch size and cache length, and torch's version."""
     config = model.config.to_json_string(use_diff=False)
     linears = sorted({type(module).__name__ for module in model.modules() if isinstance(module, torch.nn.Linear)})
     keys = cache.layers[0].keys
@@ -2654,7 +2722,7 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buc
         str(model.dtype),
         "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}"
         + (", frozen weights" if freezes_weights(compile_config) else "")
-        + (", saved (AOTInductor)" if saved else ""),
+        + (f", {saved}" if saved else ""),
         f"batch {keys.shape[0]}, cache {keys.shape[2]}, key windows {key_windows(keys.shape[2])} up to {WINDOW_WIDTH}",
         f"torch {torch.__version__}",
     ])  # fmt: skip
@@ -2702,7 +2770,8 @@ def measured_prices(
     """The price table of a decode's forwards over `cache` (through `compiled`, built from `compile_config`, padded
     to its width `buckets`): the one measured before for the same `price_key` (kept on the model and in
     `price_file()`), else one measured now, after a forward of the decode's `prompt_width` (once: a few seconds)."""
-    key = price_key(model, cache, compile_config, buckets, saved=isinstance(compiled, SavedForwards))
+    saved = compiled.kind if isinstance(compiled, SavedForwards) else ""
+    key = price_key(model, cache, compile_config, buckets, saved)
     known = getattr(model, "_refusion_prices", None)
     if known is None:
         known = model._refusion_prices = {}

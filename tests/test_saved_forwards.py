@@ -154,6 +154,7 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
     way: the eager logits. Named backends, no autotuning, or a CPU with oneDNN's bfloat16 kernels (whose packed
     products autotuning picks where they win): one attempt as configured."""
     monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: False)
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)  # a package a width
     backends, compile_package = [], torch._inductor.aoti_compile_and_package
 
     def recorded(exported, package_path, inductor_configs):
@@ -181,6 +182,55 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
     monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
     attempts = SavedForwards(model, autotuned, tmp_path).attempts
     assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [None]
+
+
+def test_on_a_cpu_with_amx_the_narrow_widths_share_a_package_a_key_window(tmp_path, monkeypatch, caplog):
+    """With AMX, autotuned packages with frozen weights of 2 to `WINDOW_WIDTH` new tokens are one package (the width a
+    dynamic dimension, the C++ GEMM template alone: one frozen copy of the weights for the narrow forwards), one
+    query and wider forwards a package each; each width gives the eager logits, a later process loads the packages,
+    and price tables key on the sharing. Where the export fixes the width, a package a width, with a warning. Without
+    AMX, with named backends, unfrozen or not autotuned: a package a width."""
+    backends, compile_package = [], torch._inductor.aoti_compile_and_package
+
+    def recorded(exported, package_path, inductor_configs):
+        if not Path(package_path).name.startswith("step-"):
+            widths = generation_refusion.exported_widths(exported)
+            backends.append((widths and widths[0], inductor_configs.get("max_autotune_gemm_backends")))
+        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    model = sharpened_model("qwen2", scale=4.0).float()
+    autotuned = compile_config(freezing=True, max_autotune=True)
+    ids = torch.arange(3, 3 + 6 + 8)[None]
+    eager = model(input_ids=ids).logits
+    for run in ("compiles", "loads"):
+        saved = SavedForwards(model, autotuned, tmp_path)  # (the second: as a later process would)
+        for width in (1, 2, 4, 8, 3):
+            output, logits = causal_forward(model, saved, width)
+            torch.testing.assert_close(logits, eager[:, 6 : 6 + width], rtol=1e-4, atol=1e-4)
+        assert set(saved.runners) == {(1, 1, 128, 128), (1, "2-8", 128, 128)}
+        if run == "compiles":
+            assert backends == [(None, None), (2, "CPP")]  # one query's package as configured; then the shared one
+    assert len(backends) == 2 and len(list(tmp_path.iterdir())) == 2
+    cache = generation_refusion.SlotCache(model, 1, 128)
+    assert "widths 2-8 in one package" in generation_refusion.price_key(model, cache, autotuned, saved=saved.kind)
+
+    monkeypatch.setattr(generation_refusion, "exported_widths", lambda exported: None)  # the trace fixed the width
+    saved = SavedForwards(model, autotuned, tmp_path / "fixed")
+    output, logits = causal_forward(model, saved, 2)
+    torch.testing.assert_close(logits, eager[:, 6:8], rtol=1e-4, atol=1e-4)
+    assert set(saved.runners) == {(1, 2, 128, 128)} and saved.narrow_attempts is None
+    assert caplog.text.count("the narrow widths get a package each") == 1
+    assert saved.kind == "saved (AOTInductor)"
+
+    for config in (compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="ATEN,CPP"),
+                   compile_config(freezing=True), compile_config(max_autotune=True)):  # fmt: skip
+        assert SavedForwards(model, config, tmp_path).narrow_attempts is None
+    named = compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
+    assert len(SavedForwards(model, named, tmp_path).narrow_attempts) == 1
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
+    assert SavedForwards(model, autotuned, tmp_path).narrow_attempts is None
 
 
 def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp_path, monkeypatch):
