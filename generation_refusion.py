@@ -2098,10 +2098,11 @@ class SavedForwards:
     On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of 2 to `WINDOW_WIDTH` new tokens
     share one package a key window, their width a dynamic dimension, its products from the C++ template alone (there
     autotuning takes it for each width anyway; left to choose for a width it does not know, it took oneDNN's, 17-21 ms
-    against 13-14): each package holds its own frozen copy of the weights, and a decode that goes from width to width
-    among packages pays for fetching another copy (SmolLM2, bfloat16, 2 / 4 / 8 queries run in turn: 12.0-12.8 /
-    12.5-13.1 / 13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each, the same logits bit for bit). Elsewhere
-    (measured on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a package of its own."""
+    against 13-14). Each package holds its own frozen copy of the weights: one for the narrow widths compiles in less
+    time and keeps fewer copies (SmolLM2, bfloat16: its priced widths compiled in 581 s against 825), with the same
+    logits bit for bit; run in turn as a decode runs them, its 2 / 4 / 8-query forwards cost 12.0-12.8 / 12.5-13.1 /
+    13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each in one probe, the same in another. Elsewhere (measured
+    on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a package of its own."""
 
     def __init__(self, model, compile_config: CompileConfig, folder: Path):
         if compile_config.backend != "inductor":
