@@ -139,8 +139,9 @@ CPU_MIN_CHUNK = 8192
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
 # empty: keep none). Measuring stops at the first width that costs `PRICE_LINEAR` times its width in one-query
-# forwards (no economy of width left: wider forwards are prorated), and a width takes a single forward once measuring
-# has spent `PRICE_SECONDS`: a batch of 32 on a CPU would otherwise spend as long pricing its forwards as decoding.
+# forwards (no economy of width left: wider forwards are prorated), and a width takes a warm-up and a single timed
+# forward once the timed forwards have spent `PRICE_SECONDS`: a batch of 32 on a CPU would otherwise spend as long
+# pricing its forwards as decoding.
 PRICE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 PRICE_LINEAR = 0.9
 PRICE_SECONDS = 4.0
@@ -2663,8 +2664,11 @@ def measure_forward_prices(
     (`ForwardPrices` prorates past the widest measured width) and measuring them would take longest. The other
     repeats go round the measured widths a forward each, so that a busy spell of the machine falls on every width
     alike and the prices keep their ratios, by which the schedule decides (on a busy AMX host, repeats back to back
-    priced SmolLM2's forwards of 1 / 2 / 4 / 8 queries at 16.3 / 17.9 / 14.0 / 20.3 ms). Once the measuring has
-    taken `seconds`, a width gets its first forward only.
+    priced SmolLM2's forwards of 1 / 2 / 4 / 8 queries at 16.3 / 17.9 / 14.0 / 20.3 ms). Once the timed forwards
+    have taken `seconds`, a width gets its warm-up and one timed forward only. Warm-ups do not count towards
+    `seconds`, and no width is priced from its warm-up: where a width's forward is compiled on its first call (saved
+    forwards not compiled yet), the warm-up takes the compiling (seconds to minutes), which would otherwise spend the
+    time and be taken for the width's price.
 
     First, a forward of `prompt_width` (a decode's first forward, its prompt's) where given: the decode's forwards
     run after it, and so are measured. What a forward costs depends on what ran before: glibc's allocator serves
@@ -2675,16 +2679,15 @@ def measure_forward_prices(
         eager = prompt_runs_eagerly(model, compiled, cache, prompt_width, buckets)
         first = prompt_width if eager else pad_width(prompt_width, buckets)
         timed_forward(model, None if eager else compiled, cache, first, min(prompt_width, max(widths)))
-    started, runs = time.perf_counter(), {}  # runs: per padded width, its warm-up and then its timed forwards
+    runs = {}  # per padded width, its warm-up and then its timed forwards
 
     def timed(width: int) -> None:
-        """One more timed forward of `width` (padded), while the measuring has time left."""
-        if time.perf_counter() - started < seconds:
+        """One more timed forward of `width` (padded): its first whatever the time, others while time is left."""
+        if len(runs[width]) < 2 or sum(sum(times[1:]) for times in runs.values()) < seconds:
             runs[width].append(timed_forward(model, compiled, cache, width, width))
 
-    def fastest(width: int) -> float:  # (the warm-up counts where it is all there was time for)
-        padded = pad_width(width, buckets)
-        return min(runs[padded][1:] or runs[padded])
+    def fastest(width: int) -> float:
+        return min(runs[pad_width(width, buckets)][1:])
 
     def linear(width: int) -> bool:
         return width > widths[0] and fastest(width) >= PRICE_LINEAR * width * fastest(widths[0]) / widths[0]

@@ -288,8 +288,27 @@ def test_measuring_takes_the_fastest_repeat_and_fewer_once_its_time_is_spent(mon
     table = measure(model, seconds=4.0)
     assert list(table) == list(generation_refusion.PRICE_WIDTHS)
     counts = [forwards.widths.count(width) for width in generation_refusion.PRICE_WIDTHS]
-    assert counts == [2, 2, 1, 1, 1, 1, 1]  # a warm-up and a timed forward while time lasts, then the first only
+    assert counts == [2] * 7  # a warm-up and a timed forward each: no repeats once the time is spent
     assert table[64] == pytest.approx(1.64)
+    forwards = FakeForwards(monkeypatch, lambda width, run: 0.3 + 0.01 * width)  # 3.37 s once each, 3.9 to spend
+    measure(model, seconds=3.9)
+    assert [forwards.widths.count(width) for width in generation_refusion.PRICE_WIDTHS] == [3, 3, 2, 2, 2, 2, 2]
+
+
+def test_a_warm_up_that_compiles_neither_spends_the_time_nor_prices_its_width(monkeypatch):
+    """Forwards not compiled yet compile on their first call, the warm-up: that time is not a forward's price and
+    leaves the measuring its time for the repeats."""
+    model = sharpened_model("llama", scale=4.0)
+    compiled = set()
+
+    def cost(width: int, run: int) -> float:
+        first, _ = width not in compiled, compiled.add(width)
+        return 30.0 if first else 0.01 + 0.001 * width
+
+    forwards = FakeForwards(monkeypatch, cost)
+    table = measure(model)
+    assert table == pytest.approx({width: 0.01 + 0.001 * width for width in generation_refusion.PRICE_WIDTHS})
+    assert len(forwards.widths) == 4 * len(generation_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
 
 
 def test_a_busy_spell_of_the_machine_does_not_price_one_width_above_the_others(monkeypatch):
