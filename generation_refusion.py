@@ -2118,7 +2118,7 @@ class SavedForwards:
         autotuned = configs.get("max_autotune") or configs.get("max_autotune_gemm")
         if model.device.type == "cpu" and autotuned and freezes_weights(compile_config) and not onednn_bfloat16() \
                 and "max_autotune_gemm_backends" not in configs:  # fmt: skip
-            self.attempts.insert(0, {**configs, "max_autotune_gemm_backends": "CPP"})
+            self.attempts = template_first(configs)
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
@@ -2126,8 +2126,7 @@ class SavedForwards:
         self.narrow_attempts = None
         if amx_bfloat16(model.device) and autotuned and self.logits_width >= WINDOW_WIDTH \
                 and configs.get("max_autotune_gemm_backends", "CPP") == "CPP":  # fmt: skip
-            template = {**configs, "max_autotune_gemm_backends": "CPP"}
-            self.narrow_attempts = [template] if template == configs else [template, configs]
+            self.narrow_attempts = template_first(configs)
         # the decoder's attention masks, scoring, whole infill rounds and copied drafts, compiled ahead of time beside
         # the forwards (a fused-redraft round's decision stays compiled)
         self.steps = dataclasses.replace(
@@ -2191,7 +2190,7 @@ class SavedForwards:
             exported = torch.export.export(
                 backbone, inputs, dynamic_shapes=narrow_shapes(len(cache.layers)) if shared else None, strict=False
             )
-            served = exported_widths(exported)
+            served = exported_widths(exported) if shared else None
             if shared and not (served and served[0] <= 2 and served[1] >= WINDOW_WIDTH):
                 raise FixedWidth(f"The forward of {shape} exported for widths {served or 'fixed'}, not {NARROW_WIDTHS}")
             for attempt, configs in enumerate(attempts, 1):
@@ -2357,6 +2356,13 @@ class ExportedBackbone(torch.nn.Module):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         )
         return output.last_hidden_state if self.head is None else self.head(output.last_hidden_state)
+
+
+def template_first(configs: dict) -> list[dict]:
+    """Inductor `configs` as attempts in turn: with inductor's C++ GEMM template as the only backend first, then as
+    given where that differs (for products the template has no kernel for)."""
+    template = {**configs, "max_autotune_gemm_backends": "CPP"}
+    return [template] if template == configs else [template, configs]
 
 
 def cpu_kernel_configs(device, configs: dict) -> dict:
