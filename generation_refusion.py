@@ -120,10 +120,6 @@ RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cac
 # frozen graph against 5.0 / 8.0 / 15.4 / 30.5 eagerly (float32: 4.5 / 5.0 / 5.7 / 7.2 against 5.3 / 5.5 / 7.4 / 7.8
 # prepacked). Wider forwards (a prompt) keep it eager over the tokens whose logits are used (`run_model`).
 LOGITS_IN_GRAPH_WIDTH = 8
-# There a saved forward's output layer has its weight padded with zero rows to a multiple of `OUTPUT_ROWS_MULTIPLE`
-# and its logits sliced back (`graph_output_layer`): ReFusion adds a row for its [MASK] token, and a vocabulary of one
-# row past a whole block of the GEMM kernels' columns made SmolLM2's every saved forward dearer (49,153 rows).
-OUTPUT_ROWS_MULTIPLE = 64
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # A forward of up to `WINDOW_WIDTH` new tokens over a static cache attends over its first columns only, the fewest of
 # `key_windows` that hold every row's stored and new tokens: a static cache is sized for the longest answer and the
@@ -2189,7 +2185,7 @@ class SavedForwards:
 
         def build(package_path: str):
             widest = WINDOW_WIDTH if shared else shape[1]
-            head = graph_output_layer(self.model.get_output_embeddings()) if widest <= self.logits_width else None
+            head = self.model.get_output_embeddings() if widest <= self.logits_width else None
             backbone = ExportedBackbone(self.model.get_decoder(), cache, shape[3], head)
             exported = torch.export.export(
                 backbone, inputs, dynamic_shapes=narrow_shapes(len(cache.layers)) if shared else None, strict=False
@@ -2417,40 +2413,6 @@ def decoder_function(model, logits_width: int):
 
     code = backbone.__code__.replace(co_name=f"refusion_backbone_{id(decoder):x}")
     return type(backbone)(code, backbone.__globals__, code.co_name, None, backbone.__closure__)
-
-
-class PaddedOutputLayer(torch.nn.Module):
-    """A linear output layer with its weight (and bias) copied and padded with zero rows to a multiple of
-    `OUTPUT_ROWS_MULTIPLE`, returning the logits of its own rows: see `graph_output_layer`."""
-
-    def __init__(self, head: torch.nn.Linear):
-        super().__init__()
-        self.rows = head.weight.shape[0]
-        padding = -self.rows % OUTPUT_ROWS_MULTIPLE
-        with torch.no_grad():
-            self.weight = torch.nn.Parameter(torch.nn.functional.pad(head.weight, (0, 0, 0, padding)), False)
-            bias = None if head.bias is None else torch.nn.functional.pad(head.bias, (0, padding))
-            self.bias = None if bias is None else torch.nn.Parameter(bias, False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight, self.bias)[..., : self.rows].contiguous()
-
-
-def graph_output_layer(head: torch.nn.Module) -> torch.nn.Module:
-    """The output layer as a saved forward with frozen weights runs it. Where `head` computes as a linear layer (an
-    `nn.Linear`, or a prepacked one, which under compiling is) with a weight of its own shape (a quantized layer keeps
-    its forward) and its rows are not a multiple of `OUTPUT_ROWS_MULTIPLE`: a `PaddedOutputLayer`, whose padded
-    weight the package holds as it holds the others, frozen. (Padding inside the graph is not folded into the frozen
-    constant: the forward would pad the weight every time.) SmolLM2 with ReFusion's [MASK] row (49,153 rows),
-    bfloat16, its frozen saved one-query forward on an AMX CPU: 12.06-12.22 ms, padded to 49,216 rows 11.77-11.89;
-    the AR model's (49,152 rows) 11.71-11.77, and 12.04-12.14 given one row more (in turn, four rounds of 40 calls;
-    benchmarks/results/smollm2-amx-2026-12-05/probes.md)."""
-    linear = isinstance(head, torch.nn.Linear) and (
-        type(head).forward is torch.nn.Linear.forward or hasattr(head, "packed_from")
-    )
-    if not linear or head.weight.shape != (head.out_features, head.in_features):
-        return head
-    return PaddedOutputLayer(head) if head.weight.shape[0] % OUTPUT_ROWS_MULTIPLE else head
 
 
 def frozen_weights(model, compile_config: CompileConfig, held: bool = False) -> tuple | None:

@@ -233,66 +233,6 @@ def test_on_a_cpu_with_amx_the_narrow_widths_share_a_package_a_key_window(tmp_pa
     assert SavedForwards(model, autotuned, tmp_path).narrow_attempts is None
 
 
-def test_a_frozen_graphs_output_layer_multiplies_by_its_weight_padded_to_whole_row_blocks(tmp_path, monkeypatch):
-    """A vocabulary that is not a multiple of `OUTPUT_ROWS_MULTIPLE` (ReFusion adds a [MASK] row): a saved forward
-    with frozen weights multiplies by the output layer's weight padded with zero rows to one, and gives the eager
-    logits, of the vocabulary's width. An output layer that does not compute as a linear layer keeps its forward, and
-    a vocabulary of whole blocks is not padded."""
-    model = sharpened_model("llama", scale=4.0)
-    head = model.get_output_embeddings()
-    vocab, multiple = head.weight.shape[0], generation_refusion.OUTPUT_ROWS_MULTIPLE
-    padded = -(-vocab // multiple) * multiple
-    assert padded > vocab
-    rows, linear, export = [], torch.nn.functional.linear, torch.export.export
-    traced = []  # the rows of the weights of the linear layers traced for packages
-
-    def recorded(input, weight, bias=None):
-        rows.append(weight.shape[0])
-        return linear(input, weight, bias)
-
-    def exported(*args, **kwargs):
-        start = len(rows)
-        program = export(*args, **kwargs)
-        traced.extend(rows[start:])
-        return program
-
-    monkeypatch.setattr(torch.nn.functional, "linear", recorded)
-    monkeypatch.setattr(torch.export, "export", exported)
-    saved = SavedForwards(model, compile_config(freezing=True), tmp_path)
-    ids = torch.arange(3, 3 + 6 + 2)[None]
-    eager = model(input_ids=ids).logits
-    monkeypatch.setattr(generation_refusion, "OUTPUT_ROWS_MULTIPLE", 1)  # the same packages, unpadded
-    unpadded = SavedForwards(model, compile_config(freezing=True), tmp_path / "unpadded")
-    unpadded_logits = [causal_forward(model, unpadded, width)[0] for width in (1, 2)]
-    monkeypatch.setattr(generation_refusion, "OUTPUT_ROWS_MULTIPLE", multiple)
-    traced.clear()
-    for width, reference in zip((1, 2), unpadded_logits):
-        output, logits = causal_forward(model, saved, width)
-        assert output.shape == (1, width, vocab) and output.is_contiguous()
-        torch.testing.assert_close(output, reference)  # float64: the padding changes nothing
-        torch.testing.assert_close(logits, eager[:, 6 : 6 + width], rtol=1e-4, atol=1e-4)
-    assert traced.count(padded) == 2 and vocab not in traced  # a package a width: the padded weight only
-
-    hidden = torch.randn(2, 3, head.in_features, dtype=head.weight.dtype)
-    layer = generation_refusion.graph_output_layer(head)
-    assert layer.weight.shape == (padded, head.in_features) and not layer.weight[vocab:].any()
-    expected = head(hidden)
-    rows.clear()
-    torch.testing.assert_close(layer(hidden), expected)
-    assert rows == [padded]
-
-    class Scaled(torch.nn.Linear):  # a layer of another forward
-        def forward(self, input):
-            return 2 * super().forward(input)
-
-    scaled = Scaled(head.in_features, vocab, bias=False, dtype=head.weight.dtype)
-    assert generation_refusion.graph_output_layer(scaled) is scaled
-    whole = torch.nn.Linear(head.in_features, padded, dtype=head.weight.dtype)
-    assert generation_refusion.graph_output_layer(whole) is whole
-    biased = torch.nn.Linear(head.in_features, vocab, dtype=head.weight.dtype)
-    torch.testing.assert_close(generation_refusion.graph_output_layer(biased)(hidden), biased(hidden))
-
-
 def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp_path, monkeypatch):
     """On a CPU every package, forward or step, compiles with inductor's `cpp.min_chunk_size` at `CPU_MIN_CHUNK` (a
     decoding forward's element-wise loops are too small to pay for a second thread), or for forwards at the compile
