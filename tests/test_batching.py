@@ -67,3 +67,35 @@ def test_batched_cached_decoding_equals_the_recomputed_reference(model):
     cached = model.generate(ids, attention_mask=mask, **settings)
     recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
     assert torch.equal(cached, recomputed)
+
+
+def test_a_forwards_fields_are_each_row_left_padded_to_the_width():
+    """`padded_batch`: each row's request left-padded with the padding column to the forward's width (a row without a
+    request is padding only); one row at its own width gives its fields as they are."""
+    from generation_refusion import FIELDS, PADDING, Request, padded_batch, upload
+
+    padding = upload(list(PADDING.values()), "cpu")[:, None]
+    one = Request(torch.arange(18).view(6, 3), num_queries=2)
+    two = Request(torch.arange(100, 112).view(6, 2), num_queries=1)
+    batch = padded_batch([one, None, two], 4, padding)
+    for row, request in enumerate([one, None, two]):
+        for index, name in enumerate(FIELDS):
+            size = len(request) if request else 0
+            expected = [PADDING[name]] * (4 - size) + (request.fields[index].tolist() if request else [])
+            assert batch[name][row].tolist() == expected, (row, name)
+    alone = padded_batch([one], 3, padding)
+    assert all(torch.equal(alone[name][0], one.fields[index]) for index, name in enumerate(FIELDS))
+    assert alone["ids"].shape == (1, 3)
+    assert padded_batch([one], 5, padding)["groups"][0].tolist() == [PADDING["groups"]] * 2 + [12, 13, 14]
+
+
+def test_host_lists_go_to_the_device_as_long_tensors():
+    """`upload`: a flat list of ints (negative ones too; an empty list) as a 1-D long tensor that owns its values."""
+    from generation_refusion import upload
+
+    values = [3, -1, 0, 2**40, True]
+    tensor = upload(values, "cpu")
+    assert tensor.dtype == torch.long and tensor.tolist() == [3, -1, 0, 2**40, 1]
+    values[0] = 7  # the list is not the tensor's storage
+    assert tensor[0] == 3
+    assert upload([], "cpu").shape == (0,) and upload([], "cpu").dtype == torch.long

@@ -275,11 +275,14 @@ def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp
 
 
 # ---- step functions compiled ahead of time --------------------------------------------------------------------------
-def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_load_them(tmp_path, compiles):
+def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_load_them(tmp_path, compiles, monkeypatch):
     """A step function as a package (`SavedStep`): one package serves every varying size (from 1 up) and every
     threshold (a tensor argument), gives what the function gives, and a later `SavedStep` over the folder loads it;
-    other constants (drafts copied) make another package."""
+    other constants (drafts copied) make another package. The runners it remembers by exact shapes stay few (here
+    at most 2) and always the right ones."""
     from test_static_cache import infill_round
+
+    monkeypatch.setattr(generation_refusion, "SHAPES_REMEMBERED", 2)
 
     step = generation_refusion.SavedStep(
         generation_refusion.score_infill, tmp_path,
@@ -297,6 +300,7 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
         expected = generation_refusion.score_infill(*arguments)
         assert all(torch.equal(got, wanted) for got, wanted in zip(step(*arguments), expected)), case
         assert len(compiles) == 1 + case // 6  # one package a number of drafts copied
+        assert 1 <= len(step.by_shapes) <= 2
     later = generation_refusion.SavedStep(step.function, tmp_path, step.dims)
     assert all(torch.equal(got, wanted) for got, wanted in zip(later(*arguments), expected))
     assert len(compiles) == 2 and len(list(tmp_path.iterdir())) == 2
