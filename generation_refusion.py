@@ -111,7 +111,8 @@ CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=
 # a bounded number of graphs. Wider forwards (a long plan) run eagerly over the same static cache, and so does the
 # prompt's where the model's linear layers are prepacked for it and that measured cheaper (`prompt_runs_eagerly`).
 # Priced drafts (`draft_schedule="price"`) also get the narrow buckets: where width is dear they choose forwards of one
-# or two queries, which padded to 8 would cost what 8 cost.
+# or two queries, which padded to 8 would cost what 8 cost (one query pads to two where saved forwards share a package
+# for the narrow widths: `width_buckets`).
 WIDTH_BUCKETS = (8, 16, 32, 64)
 NARROW_BUCKETS = (1, 2, 4)
 RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cache lengths x batch sizes
@@ -2105,8 +2106,10 @@ class SavedForwards:
     against 13-14). Each package holds its own frozen copy of the weights: one for the narrow widths compiles in less
     time and keeps fewer copies (SmolLM2, bfloat16: its priced widths compiled in 581 s against 825), with the same
     logits bit for bit; run in turn as a decode runs them, its 2 / 4 / 8-query forwards cost 12.0-12.8 / 12.5-13.1 /
-    13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each in one probe, the same in another. Elsewhere (measured
-    on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a package of its own."""
+    13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each in one probe, the same in another. A priced decode then
+    runs its one-query forwards padded to two from that package too (`width_buckets`), and no one-query package is
+    compiled for it. Elsewhere (measured on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a
+    package of its own."""
 
     def __init__(self, model, compile_config: CompileConfig, folder: Path):
         if compile_config.backend != "inductor":
@@ -2147,7 +2150,7 @@ class SavedForwards:
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
         batch_size, width = input_ids.shape
-        shared = self.narrow_attempts is not None and 2 <= width <= WINDOW_WIDTH
+        shared = self.shares_narrow and 2 <= width <= WINDOW_WIDTH
         shape = (batch_size, NARROW_WIDTHS if shared else width, cache.max_cache_len, cache.window)
         attention_mask = attention_mask.contiguous()  # (a key window's columns of the mask)
         if shape not in self.runners:
@@ -2177,9 +2180,14 @@ class SavedForwards:
         return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
 
     @property
+    def shares_narrow(self) -> bool:
+        """Whether the forwards of 2 to `WINDOW_WIDTH` new tokens share one package a key window."""
+        return self.narrow_attempts is not None
+
+    @property
     def kind(self) -> str:
         """The forwards' path as a price table's key names it (`price_key`)."""
-        shared = f", widths {NARROW_WIDTHS} in one package" if self.narrow_attempts is not None else ""
+        shared = f", widths {NARROW_WIDTHS} in one package" if self.shares_narrow else ""
         return f"saved (AOTInductor){shared}"
 
     def load_or_compile(self, shape: tuple[int, int | str, int, int], inputs: tuple, cache: "SlotCache"):
@@ -2448,10 +2456,20 @@ def graph_logits_width(compile_config: CompileConfig) -> int:
     return LOGITS_IN_GRAPH_WIDTH if freezes_weights(compile_config) else 0
 
 
-def width_buckets(draft_schedule: str) -> tuple[int, ...]:
-    """The widths compiled forwards run at under `draft_schedule`: `WIDTH_BUCKETS`, and for priced drafts the
-    `NARROW_BUCKETS` too."""
-    return NARROW_BUCKETS + WIDTH_BUCKETS if draft_schedule == "price" else WIDTH_BUCKETS
+def width_buckets(draft_schedule: str, compiled=None) -> tuple[int, ...]:
+    """The widths forwards through the `compiled` backbone run at under `draft_schedule`: `WIDTH_BUCKETS`, and for
+    priced drafts the `NARROW_BUCKETS` too, but for one query where saved forwards serve the narrow widths from one
+    package (`SavedForwards.shares_narrow`): a one-query forward then runs padded to two from that package, so that
+    a decode keeps one copy of the weights in the processor's cache rather than two in turn. SmolLM2 in bfloat16 on
+    an AMX CPU, the 32 held-out prompts decoded in turn both ways in one process, three passes: 96.5-97.4 tokens/s
+    against 92.7-95.7 with the one-query package (1.31 tokens a forward against 1.26: the two-query package's price
+    table made padded drafts free), the forwards 12.4-12.5 ms on average against 12.2-12.7; a one-query forward
+    costs ~0.5 ms more right after one of the other package than right after its own (probes.md, session 34)."""
+    if draft_schedule != "price":
+        return WIDTH_BUCKETS
+    if getattr(compiled, "shares_narrow", False):
+        return tuple(width for width in NARROW_BUCKETS if width > 1) + WIDTH_BUCKETS
+    return NARROW_BUCKETS + WIDTH_BUCKETS
 
 
 def packed_for(model, width: int) -> bool:
@@ -2605,7 +2623,7 @@ def compile_forwards(
     steps = step_functions(compiled)
     layout = StaticLayout(cache, batch_size, model.device, steps)
     with torch.no_grad():
-        for width in width_buckets(draft_schedule):
+        for width in width_buckets(draft_schedule, compiled):
             batch = {
                 name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
                 for name, value in PADDING.items()
@@ -2914,7 +2932,7 @@ def refusion_generate(
             cache = slot_cache(model, batch_size, columns)
             if settings.compile_config:
                 compiled = compiled_backbone(model, settings.compile_config, settings.compile_cache_dir)
-                buckets = width_buckets(settings.draft_schedule)
+                buckets = width_buckets(settings.draft_schedule, compiled)
         elif settings.use_cache:
             cache = DynamicCache()
         prices = None

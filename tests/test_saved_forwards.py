@@ -233,6 +233,30 @@ def test_on_a_cpu_with_amx_the_narrow_widths_share_a_package_a_key_window(tmp_pa
     assert SavedForwards(model, autotuned, tmp_path).narrow_attempts is None
 
 
+def test_a_priced_decode_runs_its_one_query_forwards_from_the_shared_narrow_package(tmp_path, monkeypatch):
+    """Where saved forwards serve 2 to `WINDOW_WIDTH` new tokens from one package (AMX), a priced decode's buckets
+    start at two: its one-query forwards run padded to two from that package, no one-query package is compiled or
+    run, and the tokens are the eager ones. Elsewhere priced buckets start at one."""
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    model = sharpened_model("qwen2", scale=4.0).float()
+    widths = []
+    monkeypatch.setattr(SavedForwards, "__call__", lambda self, input_ids, *rest, call=SavedForwards.__call__, **kw:
+                        widths.append(input_ids.shape[1]) or call(self, input_ids, *rest, **kw))  # fmt: skip
+    # prices that make one- and two-query forwards equal, so that the schedule runs narrow forwards
+    settings = dict(SETTINGS, draft_schedule="price", forward_prices={1: 1.0, 2: 1.0, 4: 1.5, 8: 2.0, 64: 16.0})
+    eager = model.generate(PROMPT, return_dict_in_generate=True, **settings)
+    config = compile_config(freezing=True, max_autotune=True)
+    saved = model.generate(PROMPT, return_dict_in_generate=True, compile_config=config,
+                           compile_cache_dir=str(tmp_path), **settings)  # fmt: skip
+    assert torch.equal(saved.sequences, eager.sequences)
+    backbone = compiled_backbone(model, config, tmp_path)
+    assert backbone.shares_narrow and generation_refusion.width_buckets("price", backbone)[:2] == (2, 4)
+    assert 1 not in widths and 2 in widths and all(shape[1] != 1 for shape in backbone.runners)
+    assert generation_refusion.width_buckets("price", None)[:3] == (1, 2, 4)
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
+    assert generation_refusion.width_buckets("price", SavedForwards(model, config, tmp_path))[:3] == (1, 2, 4)
+
+
 def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp_path, monkeypatch):
     """On a CPU every package, forward or step, compiles with inductor's `cpp.min_chunk_size` at `CPU_MIN_CHUNK` (a
     decoding forward's element-wise loops are too small to pay for a second thread), or for forwards at the compile
