@@ -743,8 +743,9 @@ def score_infill(
     forward's rows are the slots' `fresh` tokens, then their `queried` drafts (masks over `[slots, slot_size]`, each
     in row-major order); position i is scored by the row of position i - 1. Decides as `greedy_distributions`, then
     `judge_infill` with the model's own tokens as redrafts, then with `drafts` (`lookup_drafts`) `copy_drafts` from
-    `text` (`at`: the slots' text positions) do. Returns the host's values (the new counts, their EOS offsets and, with
-    `drafts`, how many drafts each slot holds), the slots' new tokens and the check's `draft_marks`. (One function,
+    `text` (`at`: the slots' text positions) do. Returns the host's values (the new counts, their EOS offsets, with
+    `drafts` how many drafts each slot holds, then the check's `check_counts`), the slots' new tokens and the check's
+    `draft_marks`. (One function,
     so that a compiled decode makes one call here a forward: on a CPU a call right after a forward runs from a cold
     cache, and several calls cost several times one.)"""
     probabilities, greedy = greedy_distributions(logits, mask_token_id)
@@ -762,7 +763,7 @@ def score_infill(
     if drafts:
         tokens, found = copy_drafts(text, at, tokens, counts, drafts, mask_token_id)
         values.append(found)
-    return torch.cat(values), tokens, marks
+    return torch.cat([*values, check_counts(marks)]), tokens, marks
 
 
 def draft_marks(checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
@@ -771,6 +772,11 @@ def draft_marks(checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(checked.shape[1], device=checked.device)
     ends = run_end[:, None]
     return torch.stack([offsets <= ends, offsets < ends]) & checked
+
+
+def check_counts(marks: torch.Tensor) -> torch.Tensor:
+    """A check's drafts offered and accepted, `[2]`, from its `draft_marks`."""
+    return marks.sum(dim=(1, 2))
 
 
 def lookup_drafts(
@@ -1031,40 +1037,41 @@ class Infilling:
 
 
 class AcceptanceProfile:
-    """Draft checks of one row by source (`PLAN`, `REDRAFT`) and slot offset, counted on the device: recording a
-    check adds tensors and never waits for the host. `known` is the host's copy of the totals (offered and accepted
-    per source) as of the decoder's last read, which `rate` uses; `prior` is the rate assumed before any check."""
+    """Draft checks of one row by source (`PLAN`, `REDRAFT`) and slot offset. Each check's marks stay on the device
+    (for the tables by offset, `tables`); its two counts, drafts offered and accepted (`check_counts`), end the
+    tensor the decoder's scoring gives the host, which adds them to `known` (`read`) when it reads that tensor:
+    recording a check never waits for the host. `rate` uses `known`; `prior` is the rate assumed before any check."""
 
     PLAN, REDRAFT = range(2)
 
     def __init__(self, slot_size: int, device, prior: float = 0.5):
-        self.prior, self.slot_size = prior, slot_size
-        self.counted = torch.zeros(4, dtype=torch.long, device=device)  # what `totals` gives
+        self.prior, self.slot_size, self.device = prior, slot_size, device
         self.checks: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per source: each check's marks
         self.forwards = 0
-        self.known = [0, 0, 0, 0]
+        self.known = [0, 0, 0, 0]  # PLAN offered, PLAN accepted, REDRAFT offered, REDRAFT accepted, as read
 
-    def add(self, source: int, checked: torch.Tensor, run_end: torch.Tensor) -> None:
+    def add(self, source: int, checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
         """One forward's check: `checked` (`[slots, slot_size]`) marks the drafts it scored, `run_end` the offset of
         each slot's first rejected draft (`slot_size` when none): a draft counts as offered up to it, accepted
-        before it. (The totals are added up at once; the marks are kept for the tables by offset, `tables`.)"""
-        self.record(source, draft_marks(checked, run_end))
+        before it. Returns the check's counts (`check_counts`), for the host to `read`."""
+        marks = draft_marks(checked, run_end)
+        self.record(source, marks)
+        return check_counts(marks)
 
     def record(self, source: int, marks: torch.Tensor) -> None:
-        """One forward's check as its `draft_marks`."""
-        self.counted[2 * source : 2 * source + 2].add_(marks.sum(dim=(1, 2)))
+        """One forward's check as its `draft_marks` (whose counts the caller hands the host)."""
         self.checks[source].append(marks)
         self.forwards += 1
 
-    def totals(self) -> torch.Tensor:
-        """Offered and accepted drafts of each source, `[PLAN offered, PLAN accepted, REDRAFT offered, REDRAFT
-        accepted]`, on the device: what `known` is read from."""
-        return self.counted
+    def read(self, source: int, counts: list[int]) -> None:
+        """The host's copy of a check's counts (offered, accepted), read with its forward's decision."""
+        self.known[2 * source] += counts[0]
+        self.known[2 * source + 1] += counts[1]
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drafts offered and accepted by source and slot offset (`[2, slot_size]` each), and the checks that
         offered any by source."""
-        offered = torch.zeros(2, self.slot_size, dtype=torch.long, device=self.counted.device)
+        offered = torch.zeros(2, self.slot_size, dtype=torch.long, device=self.device)
         accepted, runs = torch.zeros_like(offered), torch.zeros_like(offered[:, 0])
         for source, checks in enumerate(self.checks):
             if checks:
@@ -1143,6 +1150,8 @@ class SlotDecoder:
 
     MASKED, INFILLING, DONE = range(3)  # slot status
     PLAN, VERIFY, INFILL, REDRAFT, RECHECK, FINISHED = range(6)  # phase kinds; REDRAFT/RECHECK: the reference rule
+    # the phases whose scoring checks drafts, and the source it counts as (their scores end with its counts)
+    CHECKS = {VERIFY: AcceptanceProfile.PLAN, INFILL: AcceptanceProfile.REDRAFT, RECHECK: AcceptanceProfile.REDRAFT}
 
     def __init__(
         self,
@@ -1205,7 +1214,7 @@ class SlotDecoder:
 
     def score(self, logits: torch.Tensor) -> torch.Tensor:
         """Read the logits of the last request's queries on the device; returns the 1-D long tensor of what the host
-        must know to decide (with the acceptance totals appended under `draft_schedule="price"`)."""
+        must know to decide (ending with the counts of the drafts checked, in the phases that check some)."""
         score = {
             self.PLAN: self._score_plan,
             self.VERIFY: self._score_verify,
@@ -1217,14 +1226,15 @@ class SlotDecoder:
             self.forward_scores = self.steps.greedy_distributions(self._processed(logits), self.settings.mask_token_id)
         values = score(self.phase, logits)
         self.forward_scores = None
-        return values if self.prices is None else torch.cat([values, self.profile.totals()])
+        return values
 
     def advance(self, values: list[int]) -> int:
         """Decide from the host's copy of `score`'s tensor and move to the next phase; returns how many leading
         queries of the last request stay in the sequence."""
-        if self.prices is not None:
-            totals = len(self.profile.known)
-            values, self.profile.known = values[:-totals], values[-totals:]
+        source = self.CHECKS.get(self.phase.kind)
+        if source is not None:
+            values, checked = values[:-2], values[-2:]
+            self.profile.read(source, checked)
         decide = {
             self.PLAN: self._planned,
             self.VERIFY: self._verified,
@@ -1329,7 +1339,7 @@ class SlotDecoder:
         accepted = accepted_lengths(
             (self.offsets == 0) | (scored & passes(ar_probability, self.settings.token_threshold))
         )
-        self.profile.add(AcceptanceProfile.PLAN, scored, accepted)
+        checked = self.profile.add(AcceptanceProfile.PLAN, scored, accepted)
         values = [accepted, eos_offsets(tokens, accepted, self.eos)]
         if self.settings.infill_mode != "reference":
             counts = torch.ones_like(accepted)
@@ -1342,7 +1352,7 @@ class SlotDecoder:
             if self.settings.lookup_drafts:
                 read["tokens"], found = self._look_up(index, read["tokens"], counts)
                 values.append(found)
-        return torch.cat(values)
+        return torch.cat([*values, checked])
 
     def _verified(self, phase: Phase, values: list[int]) -> Phase:
         """Commit the leading complete slots with this forward's K/V; infill the other chosen slots."""
@@ -1402,7 +1412,7 @@ class SlotDecoder:
                 read["until"], read["checked_mask"], self.eos, settings.mask_token_id, self.token_threshold,
                 self.text, read["index"] + self.prompt.shape[0], settings.lookup_drafts,
             )  # fmt: skip
-            self.profile.record(AcceptanceProfile.REDRAFT, marks)
+            self.profile.record(AcceptanceProfile.REDRAFT, marks)  # (`values` end with its counts)
             return values
         index = read["index"]
         at = [read[name] for name in ("fresh", "queried", "checked")]
@@ -1428,7 +1438,7 @@ class SlotDecoder:
         if self.settings.lookup_drafts:
             read["tokens"], found = self._look_up(index, read["tokens"], counts)
             values.append(found)
-        return torch.cat(values)
+        return torch.cat([*values, check_counts(marks)])
 
     def _infilled(self, phase: Phase, values: list[int]) -> Phase:
         state, slots = phase.state, len(phase.state.slots)
@@ -1484,8 +1494,8 @@ class SlotDecoder:
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
         _, ar_probability = self._ar_check(logits, source.flatten()[scored], tokens, index, scored)
         counts = accept_reference(counts, ar_probability, self.settings.token_threshold)
-        self.profile.add(AcceptanceProfile.REDRAFT, scored_mask, counts)
-        return torch.cat([counts, eos_offsets(tokens, counts, self.eos)])
+        checked = self.profile.add(AcceptanceProfile.REDRAFT, scored_mask, counts)
+        return torch.cat([counts, eos_offsets(tokens, counts, self.eos), checked])
 
     def _rechecked(self, phase: Phase, values: list[int]) -> Phase:
         state, size = phase.state, self.settings.slot_size

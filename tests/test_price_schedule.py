@@ -111,9 +111,10 @@ def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks_the_host_
     profile = AcceptanceProfile(4, "cpu")
     assert profile.rate(AcceptanceProfile.PLAN) == 0.5
     checked = torch.tensor([[False, True, True, True]])
-    profile.add(AcceptanceProfile.PLAN, checked, torch.tensor([3]))  # offsets 1, 2 pass, 3 fails
+    counts = profile.add(AcceptanceProfile.PLAN, checked, torch.tensor([3]))  # offsets 1, 2 pass, 3 fails
+    assert counts.tolist() == [3, 2]
     assert profile.rate(AcceptanceProfile.PLAN) == 0.5  # the host has not read the check yet
-    profile.known = profile.totals().tolist()
+    profile.read(AcceptanceProfile.PLAN, counts.tolist())
     assert profile.known == [3, 2, 0, 0]
     assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx((2 + 1) / (3 + 2))
     assert profile.rate(AcceptanceProfile.REDRAFT) == 0.5
@@ -122,8 +123,8 @@ def test_the_acceptance_rate_starts_at_one_half_and_follows_the_checks_the_host_
 def test_the_prior_is_the_rate_before_any_check_and_weighs_as_two_drafts():
     profile = AcceptanceProfile(4, "cpu", prior=0.1)
     assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx(0.1)
-    profile.add(AcceptanceProfile.PLAN, torch.tensor([[False, True, True, True]]), torch.tensor([3]))
-    profile.known = profile.totals().tolist()
+    counts = profile.add(AcceptanceProfile.PLAN, torch.tensor([[False, True, True, True]]), torch.tensor([3]))
+    profile.read(AcceptanceProfile.PLAN, counts.tolist())
     assert profile.rate(AcceptanceProfile.PLAN) == pytest.approx((2 + 0.2) / (3 + 2))
     assert profile.rate(AcceptanceProfile.REDRAFT) == pytest.approx(0.1)
 

@@ -25,6 +25,7 @@ from generation_refusion import (
     StaticLayout,
     accept_and_correct,
     attention_mask,
+    check_counts,
     compile_config_for,
     compile_forwards,
     compiled_steps,
@@ -354,9 +355,10 @@ def test_the_infill_decision_is_its_parts_and_compiled_is_the_eager_one():
             assert torch.equal(eager[0], expected_tokens) and torch.equal(eager[1], expected_counts)
             assert torch.equal(eager[2], eos_offsets(expected_tokens, expected_counts, eos))
             added, recorded = (AcceptanceProfile(size, "cpu") for _ in range(2))
-            added.add(AcceptanceProfile.REDRAFT, checked, rejected)
+            counts = added.add(AcceptanceProfile.REDRAFT, checked, rejected)
             recorded.record(AcceptanceProfile.REDRAFT, eager[3])
-            assert torch.equal(added.totals(), recorded.totals())
+            assert torch.equal(counts, check_counts(eager[3]))
+            assert counts.tolist() == [int(eager[3][0].sum()), int(eager[3][1].sum())]
             assert all(torch.equal(a, b) for a, b in zip(added.tables(), recorded.tables()))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
@@ -419,6 +421,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
                 new_tokens, found = generation_refusion.copy_drafts(round_["text"], round_["at"], new_tokens,
                                                                     expected[1], drafts, mask_token_id)  # fmt: skip
                 values.append(found)
+            values.append(check_counts(expected[3]))  # the check's drafts offered and accepted, for the host
             arguments = (
                 logits, round_["fresh"], round_["queried"], tokens, round_["counts"], round_["until"],
                 round_["checked"], eos, mask_token_id, threshold, round_["text"], round_["at"], drafts,
