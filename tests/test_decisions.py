@@ -11,6 +11,7 @@ from generation_refusion import (
     first_argmax,
     first_rejected,
     greedy_distributions,
+    greedy_logsumexp,
     leading_complete,
     pick_tokens,
 )
@@ -122,3 +123,24 @@ def test_greedy_distributions_pick_what_softmax_then_pick_tokens_picks():
             assert (probabilities[:, mask_token_id] == -1).all()
     probabilities, picked = greedy_distributions(torch.zeros(0, 300), 3)  # no rows to score
     assert probabilities.shape == (0, 300) and picked.shape == (0,)
+
+
+def test_greedy_logsumexp_picks_what_greedy_distributions_picks_and_gives_its_probabilities():
+    generator = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        for mask_token_id in (0, 77, 299):
+            scores = (torch.randn(6, 300, generator=generator) * 4).to(dtype)
+            scores[1, [5, 250]] = scores[1].max() + 1  # a tie at the top
+            scores[2, mask_token_id] = scores[2].max() + 1  # the mask token would win
+            scores[3] = 0.0  # every token ties
+            scores[4, :150] = float("-inf")  # tokens a processor ruled out
+            probabilities, picked = greedy_distributions(scores, mask_token_id)
+            wide, logsumexp, greedy = greedy_logsumexp(scores, mask_token_id)
+            assert wide.dtype == probabilities.dtype and torch.equal(wide, scores.to(wide.dtype))
+            assert torch.equal(greedy, picked) and greedy[1] == 5 and greedy[3] == (mask_token_id == 0)
+            assert greedy[4] >= 150 and (greedy != mask_token_id).all()
+            others = torch.arange(300) != mask_token_id
+            from_log = (wide - logsumexp[:, None]).exp()
+            tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+            assert torch.allclose(from_log[:, others], probabilities[:, others], rtol=tolerance, atol=tolerance)
+            assert torch.allclose(from_log.sum(dim=-1), torch.ones(6, dtype=wide.dtype), atol=tolerance * 10)

@@ -310,7 +310,7 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
 
     step = generation_refusion.SavedStep(
         generation_refusion.score_infill, tmp_path,
-        ({0: "logits"}, *[{0: "slots"}] * 6, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None),
+        ({0: "logits"}, *[{0: "slots"}] * 4, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None),
     )  # fmt: skip
     generator, eos, mask_token_id = torch.Generator().manual_seed(5), torch.tensor([3, -1, -1]), 20
     for case in range(12):
@@ -318,8 +318,8 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
         round_ = infill_round(generator, 1 + case % 3, 8, 40, mask_token_id)
         threshold = torch.tensor((0.0, 0.3, 0.6)[case % 3], dtype=torch.float64)
         arguments = (
-            round_["logits"], round_["fresh"], round_["queried"], round_["tokens"], round_["counts"], round_["until"],
-            round_["checked"], eos, mask_token_id, threshold, round_["text"], round_["at"], drafts,
+            round_["logits"], round_["tokens"], round_["stored"], round_["counts"], round_["until"], eos, mask_token_id,
+            threshold, round_["text"], round_["at"], drafts,
         )  # fmt: skip
         expected = generation_refusion.score_infill(*arguments)
         assert all(torch.equal(got, wanted) for got, wanted in zip(step(*arguments), expected)), case
@@ -328,7 +328,7 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
     later = generation_refusion.SavedStep(step.function, tmp_path, step.dims)
     assert all(torch.equal(got, wanted) for got, wanted in zip(later(*arguments), expected))
     assert len(compiles) == 2 and len(list(tmp_path.iterdir())) == 2
-    with pytest.raises(TypeError, match="takes 13 arguments here, not 12"):
+    with pytest.raises(TypeError, match="takes 11 arguments here, not 10"):
         step(*arguments[:-1])
     scoring = generation_refusion.SavedStep(generation_refusion.greedy_distributions, tmp_path, ({0: "rows"}, None))
     nothing = scoring(torch.zeros(0, 40), mask_token_id)  # no row: the function itself, no package

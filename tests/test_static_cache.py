@@ -32,6 +32,7 @@ from generation_refusion import (
     eos_offsets,
     execute,
     first_rejected,
+    infill_masks,
     judge_infill,
     key_window,
     key_windows,
@@ -140,11 +141,12 @@ def test_an_infill_round_queries_fresh_tokens_masks_and_drafts_at_their_slots_po
     assert prefixes == [11] * len(ids)
     read = phase.read
     assert read["sizes"] == ([1, 8, 5] if fused else [1, 5]) and read["fresh_queries"].fields[0].tolist() == [100]
-    assert read["fresh_mask"].tolist() == [[True, False, False, False], [False] * 4, [False] * 4]
-    checked, queried = read["checked_mask"].tolist(), read["queried_mask"].tolist()
-    assert checked == [[False, True, True, True], [False, False, True, True], [True, True, True, False]]
-    assert queried == [[False, True, True, False], [False, False, True, False], [True, True, False, False]]
+    assert read["stored"].tolist() == [0, 2, 0]
     assert read["counts"].tolist() == [1, 2, 0] and read["until"].tolist() == [4, 4, 3]
+    fresh, queried, checked = infill_masks(read["stored"], read["counts"], read["until"], 4)
+    assert fresh.tolist() == [[True, False, False, False], [False] * 4, [False] * 4]
+    assert checked.tolist() == [[False, True, True, True], [False, False, True, True], [True, True, True, False]]
+    assert queried.tolist() == [[False, True, True, False], [False, False, True, False], [True, True, False, False]]
     assert read["index"].tolist() == [[12, 13, 14, 15], [0, 1, 2, 3], [8, 9, 10, 11]]
 
 
@@ -381,7 +383,7 @@ def infill_round(generator, slots: int, size: int, vocab: int, mask_token_id: in
     logits[:, :12] += 4  # the slots' tokens are likely
     text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
     at = 20 + torch.arange(slots * size).view(slots, size)
-    return dict(logits=logits, fresh=fresh, queried=queried, tokens=tokens, counts=counts, until=until,
+    return dict(logits=logits, fresh=fresh, queried=queried, tokens=tokens, stored=stored, counts=counts, until=until,
                 checked=checked, text=text, at=at)  # fmt: skip
 
 
@@ -423,8 +425,8 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
                 values.append(found)
             values.append(check_counts(expected[3]))  # the check's drafts offered and accepted, for the host
             arguments = (
-                logits, round_["fresh"], round_["queried"], tokens, round_["counts"], round_["until"],
-                round_["checked"], eos, mask_token_id, threshold, round_["text"], round_["at"], drafts,
+                logits, tokens, round_["stored"], round_["counts"], round_["until"], eos, mask_token_id, threshold,
+                round_["text"], round_["at"], drafts,
             )  # fmt: skip
             for scored in (generation_refusion.score_infill(*arguments), compiled_steps().score_infill(*arguments)):
                 assert torch.equal(scored[0], torch.cat(values)), case
