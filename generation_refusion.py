@@ -625,15 +625,15 @@ def greedy_distributions(scores: torch.Tensor, mask_token_id: int) -> tuple[torc
     return probabilities, first_argmax(probabilities)
 
 
-def greedy_logsumexp(scores: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`greedy_distributions` without the table: the rows of `scores` in float32 (or wider), their logsumexp and their
-    greedy token (never the mask token); a token's probability is `exp(score - logsumexp)`. On a CPU scoring is the
-    exponentials over every column, and a table of them costs passes more: a greedy infill round of 16 rows of
-    SmolLM2's 49,153 columns, compiled ahead of time (`score_infill`), took 470-510 µs through the table against
-    310-340 so (AMX CPU, 2 threads)."""
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+def greedy_logsumexp(scores: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_distributions` without the table: each row's logsumexp (in float32, or wider) and greedy token (never
+    the mask token); a token's probability is `exp(score - logsumexp)`. On a CPU scoring is the exponentials over
+    every column, and a table of them costs passes more: a greedy infill round of 16 rows of SmolLM2's 49,153
+    columns, compiled ahead of time (`score_infill`), took 470-510 µs through the table against 300-340 so (AMX CPU,
+    2 threads), and writes a copy of the rows in their own dtype rather than two in float32."""
     never = torch.tensor([mask_token_id], device=scores.device)
-    return scores, scores.logsumexp(dim=-1), first_argmax(scores.index_fill(-1, never, float("-inf")))
+    logsumexp = scores.to(torch.promote_types(scores.dtype, torch.float32)).logsumexp(dim=-1)
+    return logsumexp, first_argmax(scores.index_fill(-1, never, float("-inf")))
 
 
 def choose_slots(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -767,14 +767,15 @@ def score_infill(
     `drafts` how many drafts each slot holds, then the check's `check_counts`), the slots' new tokens and the check's
     `draft_marks`. (One function, so that a compiled decode makes one call here a forward: on a CPU a call right
     after a forward runs from a cold cache, and several calls cost several times one.)"""
-    scores, logsumexp, greedy = greedy_logsumexp(logits, mask_token_id)
+    logsumexp, greedy = greedy_logsumexp(logits, mask_token_id)
     fresh, queried, checked = infill_masks(stored, counts, until, tokens.shape[1])
     fresh, queried = fresh.flatten(), queried.flatten()
     rows = torch.where(fresh, fresh.cumsum(0) - 1, fresh.sum() + queried.cumsum(0) - 1) * (fresh | queried)
     rows = rows.view_as(tokens)
     source = torch.cat([rows[:, :1], rows[:, :-1]], dim=1)  # the row scoring each position
     ar_tokens = torch.where(checked, greedy[source], tokens)
-    drafted = (scores[source, tokens] - logsumexp[source]).exp().masked_fill(tokens == mask_token_id, -1)
+    drafted = (logits[source, tokens].to(logsumexp.dtype) - logsumexp[source]).exp()
+    drafted = drafted.masked_fill(tokens == mask_token_id, -1)
     ar_probability = torch.where(checked, drafted, 1.0)
     tokens, counts, eos_at, marks = judge_infill(
         tokens, counts, until, checked, ar_probability, ar_tokens, None, eos, threshold
