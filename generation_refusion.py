@@ -787,6 +787,99 @@ def score_infill(
     return torch.cat([*values, check_counts(marks)]), tokens, marks
 
 
+def judge_verify(
+    tokens: torch.Tensor,
+    scored: torch.Tensor,
+    ar_probability: torch.Tensor,
+    ar_tokens: torch.Tensor,
+    eos: torch.Tensor,
+    threshold: float | torch.Tensor,
+    keep_drafts: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A verify forward's decision on the chosen slots' drafts `tokens` (`[slots, slot_size]`), the positions
+    `scored` (a mask: offsets 1 up to the forward's width; offset 0 always passes) having the model's own tokens
+    `ar_tokens` and the drafts' probabilities `ar_probability`: each slot's accepted length and its EOS offset, and
+    for the fast rule (`keep_drafts` given, a 0-d bool tensor) the tokens and counts a slot goes on with (the model's
+    token at the first rejected draft; after it the plan's drafts where `keep_drafts` (`fused_redraft`), else the
+    model's tokens) and their EOS offsets. Returns those values for the host, the tokens and the check's
+    `draft_marks`."""
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    accepted = accepted_lengths((offsets == 0) | (scored & passes(ar_probability, threshold)))
+    values = [accepted, eos_offsets(tokens, accepted, eos)]
+    marks = draft_marks(scored, accepted)
+    if keep_drafts is not None:
+        until = scored.sum(dim=1) + 1  # (scored: offsets 1 .. until - 1)
+        redrafts = torch.where(keep_drafts, tokens, ar_tokens)
+        tokens, counts = accept_and_correct(tokens, torch.ones_like(accepted), ar_probability, ar_tokens, redrafts,
+                                            threshold, until)  # fmt: skip
+        values += [counts, eos_offsets(tokens, counts, eos)]
+    return values, tokens, marks
+
+
+def score_verify(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    eos: torch.Tensor,
+    mask_token_id: int,
+    threshold: torch.Tensor,
+    keep_drafts: torch.Tensor,
+    text: torch.Tensor,
+    at: torch.Tensor,
+    drafts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy fast-rule verify forward scored whole, from its logits to what the host reads: the chosen slots'
+    drafts `tokens` (`[slots, slot_size]`) ran as one causal run of the same number of leading tokens a slot, so its
+    `logits` are `[slots, width, vocabulary]` and the row of offset i - 1 scores offset i, up to the width. Decides
+    as `greedy_distributions` (computed as `greedy_logsumexp`) then `judge_verify` do, then with `drafts`
+    (`lookup_drafts`) `copy_drafts` from `text` (`at`: the slots' text positions) does. Returns the host's values
+    (`judge_verify`'s, with `drafts` how many drafts each slot holds, then the check's `check_counts`), the slots'
+    new tokens and the check's `draft_marks`. (One call a verify forward, as `score_infill` is an infill round's.)"""
+    (slots, width), size = logits.shape[:2], tokens.shape[1]
+    logits = logits.reshape(slots * width, -1)
+    logsumexp, greedy = greedy_logsumexp(logits, mask_token_id)
+    offsets = torch.arange(size, device=tokens.device)
+    scored = ((offsets > 0) & (offsets <= width)).expand(slots, size)
+    rows = torch.arange(slots, device=tokens.device)[:, None] * width + (offsets - 1).clamp(min=0, max=width - 1)
+    ar_tokens = torch.where(scored, greedy[rows], tokens)
+    drafted = (logits[rows, tokens].to(logsumexp.dtype) - logsumexp[rows]).exp()
+    ar_probability = torch.where(scored, drafted.masked_fill(tokens == mask_token_id, -1), 1.0)
+    values, tokens, marks = judge_verify(tokens, scored, ar_probability, ar_tokens, eos, threshold, keep_drafts)
+    if drafts:
+        tokens, found = copy_drafts(text, at, tokens, values[2], drafts, mask_token_id)
+        values.append(found)
+    return torch.cat([*values, check_counts(marks)]), tokens, marks
+
+
+def score_plan(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    mask_token_id: int,
+    threshold: torch.Tensor,
+    text: torch.Tensor,
+    at: torch.Tensor,
+    copies: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy plan forward scored whole, from its logits to what the host reads: the masked slots' `[MASK]` queries
+    (`logits` `[slots, width, vocabulary]`, the first `width` tokens of each slot) give each slot's greedy drafts,
+    written over the first `width` of its `drafts` (`[slots, slot_size]`); the slots whose first draft's probability
+    passes `threshold` are chosen (else the most confident, `choose_slots`), and with `copies` (`lookup_drafts`) the
+    drafts after each first one are copied from `text` (`at`: the slots' text positions), as `copy_drafts` does.
+    Returns the host's values (which slots are chosen, then with `copies` how many drafts each holds) and the slots'
+    drafts. (One call a plan forward, as `score_infill` is an infill round's.)"""
+    (slots, width), vocabulary = logits.shape[:2], logits.shape[2]
+    logits = logits.reshape(slots * width, vocabulary)
+    logsumexp, greedy = greedy_logsumexp(logits, mask_token_id)
+    picked = (logits.gather(1, greedy[:, None])[:, 0].to(logsumexp.dtype) - logsumexp).exp()
+    offsets = torch.arange(drafts.shape[1], device=drafts.device)
+    drafted = greedy.view(slots, width).gather(1, offsets.clamp(max=width - 1).expand(slots, -1))
+    drafts = torch.where(offsets < width, drafted, drafts)
+    values = [choose_slots(picked.view(slots, width)[:, 0], threshold).long()]
+    if copies:
+        drafts, found = copy_drafts(text, at, drafts, torch.ones_like(values[0]), copies, mask_token_id)
+        values.append(found)
+    return torch.cat(values), drafts
+
+
 def draft_marks(checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
     """The drafts a check offered and those it accepted, `[2, slots, slot_size]`: of the `checked` ones, those up to
     each slot's first rejected draft (at offset `run_end`, `slot_size` when none), and those before it."""
@@ -1193,6 +1286,8 @@ class SlotDecoder:
         self.forward_scores: tuple[torch.Tensor, torch.Tensor] | None = None
         # (a 0-d tensor, as step functions compiled ahead of time take it: one package serves every threshold)
         self.token_threshold = torch.tensor(settings.token_threshold, dtype=torch.float64, device=self.device)
+        self.keep_drafts = torch.tensor(settings.fused_redraft, device=self.device)  # (`judge_verify`'s, so too)
+        self.slot_threshold = torch.tensor(settings.slot_threshold, dtype=torch.float64, device=self.device)
         self.prompt = prompt
         size = settings.slot_size
         self.num_slots = -(-settings.max_new_tokens // size)
@@ -1312,13 +1407,21 @@ class SlotDecoder:
     def _score_plan(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Keep the drafts; choose the slots to decode by their first draft's confidence (and, for one-token slots,
         which drafts are EOS)."""
-        index = phase.read["index"]
+        index, settings = phase.read["index"], self.settings
+        if self._scored_whole(phase):
+            slots = self._slot_index(phase.slots)
+            values, self.drafts[slots] = self.steps.score_plan(
+                self._processed(logits).view(len(phase.slots), -1, logits.shape[-1]), self.drafts[slots],
+                settings.mask_token_id, self.slot_threshold, self.text, slots + self.prompt.shape[0],
+                settings.lookup_drafts,
+            )  # fmt: skip
+            return values
         tokens, probabilities = self._pick(logits, torch.arange(logits.shape[0], device=self.device), index)
         self.drafts[index] = tokens
-        chosen = choose_slots(probabilities.view(len(phase.slots), -1)[:, 0], self.settings.slot_threshold)
-        if self.settings.slot_size == 1:
+        chosen = choose_slots(probabilities.view(len(phase.slots), -1)[:, 0], settings.slot_threshold)
+        if settings.slot_size == 1:
             return torch.cat([chosen.long(), torch.isin(tokens, self.eos).long()])
-        if not self.settings.lookup_drafts:
+        if not settings.lookup_drafts:
             return chosen.long()
         # the drafts after each slot's first one, copied from the text
         slots = self._slot_index(phase.slots)
@@ -1350,30 +1453,28 @@ class SlotDecoder:
     def _score_verify(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts: each slot's accepted length and EOS offset and, for the fast rule, the tokens and counts
         it goes on with (the model's own token at the first rejected draft, redrafts after it) and their EOS."""
-        read, size = phase.read, self.settings.slot_size
+        read, size, settings = phase.read, self.settings.slot_size, self.settings
         index, tokens, width, slots = read["index"], read["tokens"], read["width"], len(phase.slots)
+        fast = settings.infill_mode != "reference"
+        if self._scored_whole(phase):
+            values, read["tokens"], marks = self.steps.score_verify(
+                self._processed(logits).view(slots, width, -1), tokens, self.eos, settings.mask_token_id,
+                self.token_threshold, self.keep_drafts, self.text, index + self.prompt.shape[0], settings.lookup_drafts,
+            )  # fmt: skip
+            self.profile.record(AcceptanceProfile.PLAN, marks)  # (`values` end with its counts)
+            return values
         until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
         scored = ((self.offsets > 0) & (self.offsets < until)).expand_as(tokens)
         at = (torch.arange(slots, device=self.device)[:, None] * size + self.offsets[1:until]).flatten()
         rows = (torch.arange(slots, device=self.device)[:, None] * width + self.offsets[: until - 1]).flatten()
         ar_tokens, ar_probability = self._ar_check(logits, rows, tokens, index, at)
-        accepted = accepted_lengths(
-            (self.offsets == 0) | (scored & passes(ar_probability, self.settings.token_threshold))
-        )
-        checked = self.profile.add(AcceptanceProfile.PLAN, scored, accepted)
-        values = [accepted, eos_offsets(tokens, accepted, self.eos)]
-        if self.settings.infill_mode != "reference":
-            counts = torch.ones_like(accepted)
-            redrafts = tokens if self.settings.fused_redraft else ar_tokens  # fused: keep the plan's drafts
-            read["tokens"], counts = accept_and_correct(
-                tokens, counts, ar_probability, ar_tokens, redrafts, self.settings.token_threshold,
-                torch.full_like(counts, until),
-            )  # fmt: skip
-            values += [counts, eos_offsets(read["tokens"], counts, self.eos)]
-            if self.settings.lookup_drafts:
-                read["tokens"], found = self._look_up(index, read["tokens"], counts)
-                values.append(found)
-        return torch.cat([*values, checked])
+        values, read["tokens"], marks = judge_verify(tokens, scored, ar_probability, ar_tokens, self.eos,
+                                                     settings.token_threshold, self.keep_drafts if fast else None)
+        self.profile.record(AcceptanceProfile.PLAN, marks)
+        if fast and settings.lookup_drafts:
+            read["tokens"], found = self._look_up(index, read["tokens"], values[2])
+            values.append(found)
+        return torch.cat([*values, check_counts(marks)])
 
     def _verified(self, phase: Phase, values: list[int]) -> Phase:
         """Commit the leading complete slots with this forward's K/V; infill the other chosen slots."""
@@ -1419,9 +1520,16 @@ class SlotDecoder:
         return queries
 
     def _scored_whole(self, phase: Phase) -> bool:
-        """Whether the phase's logits are scored by one step function (`score_infill`): a greedy infill round with
-        no `[MASK]` queries (`fused_redraft`)."""
-        return self.score_all_rows and phase.kind == self.INFILL and len(phase.read["sizes"]) == 2
+        """Whether the phase's logits are scored by one step function: a greedy infill round with no `[MASK]` queries
+        (`fused_redraft`; `score_infill`), a greedy verify forward of the fast rule (`score_verify`), or a greedy plan
+        of slots of more than one token (`score_plan`)."""
+        if not self.score_all_rows:
+            return False
+        if phase.kind == self.PLAN:
+            return self.settings.slot_size > 1
+        if phase.kind == self.VERIFY:
+            return self.settings.infill_mode != "reference"
+        return phase.kind == self.INFILL and len(phase.read["sizes"]) == 2
 
     def _score_infill(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
@@ -1829,9 +1937,13 @@ class StepFunctions:
     greedy_distributions: Callable  # a forward's token distributions and greedy tokens, for greedy decoding
     judge_infill: Callable  # the decision of a fast-rule infill round
     score_infill: Callable  # a greedy fast-rule infill round, from its logits to its decision
+    score_verify: Callable  # a greedy fast-rule verify forward, from its logits to its decision
+    score_plan: Callable  # a greedy plan forward, from its logits to the slots chosen
 
 
-EAGER_STEPS = StepFunctions(copy_drafts, static_mask, greedy_distributions, judge_infill, score_infill)
+EAGER_STEPS = StepFunctions(
+    copy_drafts, static_mask, greedy_distributions, judge_infill, score_infill, score_verify, score_plan
+)
 
 
 @functools.cache
@@ -1867,9 +1979,9 @@ def step_functions(compiled) -> StepFunctions:
 @torch.no_grad()  # (as decodes run: grad mode is among a graph's guards)
 def warm_up_steps(model, lookup_drafts: int = 0, steps: StepFunctions | None = None) -> None:
     """Compile `compiled_steps()`'s scoring of `model`'s logits (one row and several), its infill decisions (one
-    slot and several) and its greedy infill rounds scored whole (with `lookup_drafts` drafts copied) now, and with
-    `lookup_drafts` the copying of that many drafts (one slot and several). The masks compile with the forwards
-    (`compile_forwards`)."""
+    slot and several) and its greedy plan, verify and infill forwards scored whole (with `lookup_drafts` drafts
+    copied) now, and with `lookup_drafts` the copying of that many drafts (one slot and several). The masks compile
+    with the forwards (`compile_forwards`)."""
     device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
     steps, eos = steps or compiled_steps(), torch.tensor([2, -1, -1], device=device)  # (as `SlotDecoder.eos`)
     threshold = torch.tensor(0.5, dtype=torch.float64, device=device)  # (as `SlotDecoder.token_threshold`)
@@ -1893,6 +2005,15 @@ def warm_up_steps(model, lookup_drafts: int = 0, steps: StepFunctions | None = N
         until[0] += rows - slots
         steps.score_infill(logits, at - 4, stored, counts, until, eos, model.config.mask_token_id, threshold, text, at,
                            lookup_drafts)  # fmt: skip
+    # a whole verify forward (`score_verify`): one slot or several, one token each or several
+    keep_drafts = torch.tensor(False, device=device)
+    for slots, width in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        logits = torch.zeros(slots, width, vocab, dtype=model.dtype, device=device)
+        at = 4 + torch.arange(slots * 4, device=device).view(slots, 4)
+        steps.score_verify(logits, at - 4, eos, model.config.mask_token_id, threshold, keep_drafts, text, at,
+                           lookup_drafts)  # fmt: skip
+        # a whole plan forward (`score_plan`): the slots' first tokens, or all of them
+        steps.score_plan(logits, at - 4, model.config.mask_token_id, threshold, text, at, lookup_drafts)
     if lookup_drafts:
         warm_up_copies(device, lookup_drafts, model.config.mask_token_id, steps)
 
@@ -2171,6 +2292,12 @@ class SavedForwards:
             )),
             score_infill=SavedStep(score_infill, folder, (
                 {0: "logits"}, *[{0: "slots"}] * 4, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None,
+            )),
+            score_verify=SavedStep(score_verify, folder, (
+                {0: "slots", 1: "width"}, {0: "slots"}, {0: "eos"}, None, {}, {}, {0: "text"}, {0: "slots"}, None,
+            )),
+            score_plan=SavedStep(score_plan, folder, (
+                {0: "slots", 1: "width"}, {0: "slots"}, None, {}, {0: "text"}, {0: "slots"}, None,
             )),
         )  # fmt: skip
 

@@ -249,7 +249,8 @@ def test_eos_ends_the_answer_and_later_slots_are_dropped(model, slot_size):
     ],
 )
 def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model, frequent_token, monkeypatch, options):
-    """Greedy decoding scores all the rows of a forward once (an infill round's with its decision, `score_infill`);
+    """Greedy decoding scores all the rows of a forward once (a plan's, a verify forward's and an infill round's with
+    their decisions: `score_plan`, `score_verify`, `score_infill`);
     decisions made so equal those that score their own rows (the path of sampling and of processors that read
     context)."""
     settings = dict(
@@ -258,10 +259,13 @@ def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model,
     )  # fmt: skip
     calls = []
     scored, whole = generation_refusion.greedy_distributions, generation_refusion.score_infill
+    verify, plan = generation_refusion.score_verify, generation_refusion.score_plan
     counted = dataclasses.replace(
         generation_refusion.EAGER_STEPS,
         greedy_distributions=lambda *args: calls.append("rows") or scored(*args),
         score_infill=lambda *args: calls.append("round") or whole(*args),
+        score_verify=lambda *args: calls.append("verify") or verify(*args),
+        score_plan=lambda *args: calls.append("plan") or plan(*args),
     )
     monkeypatch.setattr(generation_refusion, "EAGER_STEPS", counted)
     at_once = model.generate(PROMPT, **settings)
@@ -269,6 +273,8 @@ def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model,
     fast_rounds = options["slot_size"] > 1 and options.get("infill_mode") != "reference"
     fast_rounds = fast_rounds and "fused_redraft" not in options  # (no [MASK] queries)
     assert ("round" in calls) == fast_rounds
+    assert ("verify" in calls) == (options["slot_size"] > 1 and options.get("infill_mode") != "reference")
+    assert ("plan" in calls) == (options["slot_size"] > 1)
     created = SlotDecoder.__init__
 
     def each_decision(self, *args, **kwargs):

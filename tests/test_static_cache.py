@@ -26,6 +26,7 @@ from generation_refusion import (
     accept_and_correct,
     attention_mask,
     check_counts,
+    choose_slots,
     compile_config_for,
     compile_forwards,
     compiled_steps,
@@ -34,6 +35,7 @@ from generation_refusion import (
     first_rejected,
     infill_masks,
     judge_infill,
+    judge_verify,
     key_window,
     key_windows,
     pad_width,
@@ -432,6 +434,104 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
                 assert torch.equal(scored[0], torch.cat(values)), case
                 assert torch.equal(scored[1], new_tokens) and torch.equal(scored[2], expected[3]), case
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_verify_forward_scored_whole_decides_as_its_parts_and_compiled_as_eager():
+    """`score_verify` decides as the decoder's parts do, written out position by position: offset i of each slot
+    (1 up to the forward's width) is scored by the slot's row of offset i - 1; the model's own token and the draft's
+    probability from `greedy_distributions` go to `judge_verify` (the plan's drafts kept after a rejection, or the
+    model's tokens), then `copy_drafts`. Compiled, it decides the same from the graphs `warm_up_steps` compiled."""
+    model = sharpened_model("qwen3", scale=4.0)
+    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
+    warm_up_steps(model, lookup_drafts=3)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(12)
+    eos = torch.tensor([3, -1, -1])
+    threshold = torch.tensor(0.4, dtype=torch.float64)
+    with torch.no_grad():
+        for case in range(24):
+            slots, size, drafts = 1 + case % 3, (4, 8)[case % 2], (0, 3)[case % 4 // 2]
+            width = 1 + (case * 5) % size  # the leading tokens of each slot in the forward, 1 .. size
+            keep = torch.tensor(case % 3 == 1)
+            tokens = torch.randint(0, 12, (slots, size), generator=generator)
+            tokens = tokens.masked_fill(torch.rand(slots, size, generator=generator) < 0.2, mask_token_id)
+            logits = 3 * torch.randn(slots, width, vocab, generator=generator, dtype=torch.float64)
+            logits[..., :12] += 4  # the slots' tokens are likely
+            logits = logits.to(model.dtype)
+            text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
+            at = 20 + torch.arange(slots * size).view(slots, size)
+            probabilities, greedy = generation_refusion.greedy_distributions(logits.flatten(0, 1), mask_token_id)
+            ar_tokens, ar_probability = tokens.clone(), torch.ones(tokens.shape, dtype=probabilities.dtype)
+            scored = torch.zeros(slots, size, dtype=torch.bool)
+            for slot in range(slots):
+                for offset in range(1, min(width + 1, size)):
+                    row, draft = slot * width + offset - 1, int(tokens[slot, offset])
+                    scored[slot, offset] = True
+                    ar_tokens[slot, offset] = greedy[row]
+                    ar_probability[slot, offset] = -1 if draft == mask_token_id else probabilities[row, draft]
+            values, new_tokens, marks = judge_verify(tokens, scored, ar_probability, ar_tokens, eos, 0.4, keep)
+            if drafts:
+                new_tokens, found = generation_refusion.copy_drafts(text, at, new_tokens, values[2], drafts,
+                                                                    mask_token_id)  # fmt: skip
+                values.append(found)
+            values.append(check_counts(marks))
+            arguments = (logits, tokens, eos, mask_token_id, threshold, keep, text, at, drafts)
+            for decided in (generation_refusion.score_verify(*arguments), compiled_steps().score_verify(*arguments)):
+                assert torch.equal(decided[0], torch.cat(values)), case
+                assert torch.equal(decided[1], new_tokens) and torch.equal(decided[2], marks), case
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_plan_scored_whole_picks_and_chooses_as_its_parts_and_compiled_as_eager():
+    """`score_plan` drafts and chooses as the decoder's parts do: each slot's greedy drafts and the probability of its
+    first from `greedy_distributions`, `choose_slots`, then `copy_drafts` after the first token. Compiled, it decides
+    the same from the graphs `warm_up_steps` compiled."""
+    model = sharpened_model("qwen3", scale=4.0)
+    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
+    warm_up_steps(model, lookup_drafts=3)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for case in range(16):
+            slots, size, copies = 1 + case % 3, (4, 8)[case % 2], (0, 3)[case % 4 // 2]
+            width, threshold = (1, size)[case % 8 // 4], (0.9, 0.3)[case % 3 == 0]
+            drafts = torch.randint(0, 12, (slots, size), generator=generator)
+            logits = 3 * torch.randn(slots, width, vocab, generator=generator, dtype=torch.float64)
+            logits[..., :12] += 4
+            logits = logits.to(model.dtype)
+            text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
+            at = 20 + torch.arange(slots * size).view(slots, size)
+            probabilities, greedy = generation_refusion.greedy_distributions(logits.flatten(0, 1), mask_token_id)
+            expected = drafts.clone()
+            expected[:, :width] = greedy.view(slots, width)
+            first = probabilities.gather(1, greedy[:, None])[:, 0].view(slots, width)[:, 0]
+            values = [choose_slots(first, threshold).long()]
+            if copies:
+                ones = torch.ones(slots, dtype=torch.long)
+                expected, found = generation_refusion.copy_drafts(text, at, expected, ones, copies, mask_token_id)
+                values.append(found)
+            arguments = (logits, drafts, mask_token_id, torch.tensor(threshold, dtype=torch.float64), text, at, copies)
+            for decided in (generation_refusion.score_plan(*arguments), compiled_steps().score_plan(*arguments)):
+                assert torch.equal(decided[0], torch.cat(values)) and torch.equal(decided[1], expected), case
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_verify_decision_accepts_the_leading_passing_drafts_and_corrects_the_first_rejected_one():
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    scored = torch.tensor([[False, True, True, False]] * 2)  # a forward of two tokens a slot: offsets 1 and 2
+    ar_probability = torch.tensor([[1.0, 0.9, 0.2, 1.0], [1.0, 0.9, 0.8, 1.0]])
+    ar_tokens = torch.tensor([[5, 6, 17, 8], [5, 6, 7, 8]])
+    eos = torch.tensor([7, -1, -1])
+    values, new_tokens, marks = judge_verify(tokens, scored, ar_probability, ar_tokens, eos, 0.5)
+    assert [value.tolist() for value in values] == [[2, 3], [4, 2]] and torch.equal(new_tokens, tokens)
+    # offered: the scored drafts up to the first rejected one (2 + 2); accepted: those before it (1 + 2)
+    assert marks.sum(dim=(1, 2)).tolist() == [4, 3]
+    values, new_tokens, _ = judge_verify(tokens, scored, ar_probability, ar_tokens, eos, 0.5, torch.tensor(False))
+    # the fast rule: slot 0 takes the model's 17 at offset 2 and stops there (3 counted); slot 1 passed its whole window
+    assert values[2].tolist() == [3, 3] and new_tokens.tolist() == [[5, 6, 17, 8], [5, 6, 7, 8]]
+    assert values[3].tolist() == [4, 2]  # slot 1's accepted 7 is an EOS
 
 
 @pytest.mark.parametrize("options", [dict(repetition_penalty=1.5), dict(do_sample=True, top_k=5)])
