@@ -451,3 +451,22 @@ def test_saved_forwards_and_prices_are_keyed_by_the_source_of_a_registered_atten
     assert first[0] != changed[0] and first[1] != changed[1] and sdpa[0] != first[0]
     model.set_attn_implementation("my_attention")
     assert keys() == changed  # the same file, the same keys
+
+
+@onednn
+def test_a_model_counts_as_packed_for_a_width_when_every_linear_layer_is():
+    """`packed_for`, which decides whether a decode's prompt may run eagerly on prepacked kernels: every linear layer
+    packed for the width's dtype from no more rows than the width; a model with an unpacked layer (first or last) or
+    with none is not."""
+    from generation_refusion import packed_for
+
+    model = model_of()
+    assert not packed_for(model, 64)
+    packed = copy.deepcopy(model)
+    prepack_linears(packed, dtypes={torch.float32: 4})
+    assert packed_for(packed, 4) and packed_for(packed, 64) and not packed_for(packed, 2)
+    partly = copy.deepcopy(model)
+    prepack_linears(partly, dtypes={torch.float32: 4})
+    linears(partly)[-1].__class__ = nn.Linear  # the output layer back to a plain one
+    assert not packed_for(partly, 64)
+    assert not packed_for(nn.Sequential(nn.ReLU()), 64)

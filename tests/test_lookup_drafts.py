@@ -145,11 +145,15 @@ def test_compiled_decodes_copy_through_the_compiled_copies_and_give_the_eager_to
     calls = []
     compiled = compiled_steps()
 
-    def counted(*arguments):
-        calls.append(arguments[4])
-        return compiled.copy_drafts(*arguments)
+    def counted(name):  # the steps that copy drafts, with the number each copies
+        def call(*arguments):
+            calls.append((name, arguments[4] if name == "copy_drafts" else arguments[-1]))
+            return getattr(compiled, name)(*arguments)
 
-    steps = dataclasses.replace(compiled, copy_drafts=counted)
+        return call
+
+    copying = ("copy_drafts", "score_plan", "score_verify", "score_infill")
+    steps = dataclasses.replace(compiled, **{name: counted(name) for name in copying})
     monkeypatch.setattr(generation_refusion, "compiled_steps", lambda: steps)
     model = cycling_model("llama")
     settings = dict(SETTINGS, lookup_drafts=4, cache_implementation="static", compile_config=compile_config())
@@ -157,12 +161,13 @@ def test_compiled_decodes_copy_through_the_compiled_copies_and_give_the_eager_to
     assert not calls  # eager forwards copy eagerly
     columns = static_cache_columns(PROMPT.shape[1], SETTINGS["max_new_tokens"], 8, 16)
     compile_forwards(model, settings["compile_config"], 1, columns, lookup_drafts=4)
-    assert calls == [4, 4]  # the warm-up: one start, several
+    assert [count for name, count in calls if name == "copy_drafts"] == [4, 4]  # the warm-up: one start, several
     calls.clear()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     output = model.generate(PROMPT, **settings)
     assert torch.equal(output.sequences, eager.sequences) and output.num_forward_passes == eager.num_forward_passes
-    assert calls and set(calls) == {4}
+    # a greedy decode copies inside its plans', verify forwards' and infill rounds' compiled scoring
+    assert {name for name, _ in calls} == set(copying[1:]) and {count for _, count in calls} == {4}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # compile_forwards compiled it all
 
 
