@@ -662,6 +662,10 @@ def test_the_prompts_path_is_measured_once_per_bucket_and_prorated_by_width(monk
     assert not runs_eagerly(model, backbone, cache, 31, WIDTH_BUCKETS)  # 31 ms, prorated from 20 tokens' price
     assert len(timed) == 6  # measured once for the bucket
     assert not runs_eagerly(model, backbone, cache, 40, WIDTH_BUCKETS) and len(timed) == 12  # the bucket of 64
+    walks, packed_for = [], generation_refusion.packed_for
+    monkeypatch.setattr(generation_refusion, "packed_for", lambda *args: walks.append(args[1]) or packed_for(*args))
+    assert not runs_eagerly(model, backbone, cache, 40, WIDTH_BUCKETS) and not walks  # known: the graph, no walk
+    assert runs_eagerly(model, backbone, cache, 20, WIDTH_BUCKETS) and walks == [20]  # eager only if packed for it
     assert runs_eagerly(model, backbone, cache, 100, WIDTH_BUCKETS) and len(timed) == 12  # past the buckets: eager
     assert not runs_eagerly(model, None, cache, 20, WIDTH_BUCKETS)  # not compiled: nothing to choose
     kernels_refusion.prepack_linears(model, {torch.float32: 50})
@@ -758,3 +762,11 @@ def test_without_freezing_a_weight_change_reuses_the_compiled_graphs():
     expected = model.generate(PROMPT, **{**settings, "compile_config": None})
     assert torch.equal(model.generate(PROMPT, **settings), expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_module_tensors_are_the_models_parameters_and_buffers_in_a_fixed_order():
+    model = sharpened_model("llama", scale=4.0)
+    model.register_buffer("nothing", None)  # registered as None: not a tensor
+    tensors = generation_refusion.module_tensors(model)
+    assert {id(tensor) for tensor in tensors} == {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
+    assert [id(tensor) for tensor in generation_refusion.module_tensors(model)] == [id(tensor) for tensor in tensors]
