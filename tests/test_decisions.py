@@ -105,14 +105,21 @@ def test_greedy_pick_breaks_ties_as_argmax_does():
     assert tokens.tolist() == [7, 9] and chosen.tolist() == [0.5, 0.375]
 
 
+def hard_scores(generator, dtype, mask_token_id: int) -> torch.Tensor:
+    """Six rows of 300 scores in `dtype`, with a tie at the top (row 1: ids 5 and 250), the mask token on top (row 2)
+    and every token tied (row 3)."""
+    scores = (torch.randn(6, 300, generator=generator) * 4).to(dtype)
+    scores[1, [5, 250]] = scores[1].max() + 1
+    scores[2, mask_token_id] = scores[2].max() + 1
+    scores[3] = 0.0
+    return scores
+
+
 def test_greedy_distributions_pick_what_softmax_then_pick_tokens_picks():
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for mask_token_id in (0, 77, 299):
-            scores = (torch.randn(6, 300, generator=generator) * 4).to(dtype)
-            scores[1, [5, 250]] = scores[1].max() + 1  # a tie at the top
-            scores[2, mask_token_id] = scores[2].max() + 1  # the mask token would win
-            scores[3] = 0.0  # every token ties
+            scores = hard_scores(generator, dtype, mask_token_id)
             expected = scores.to(torch.promote_types(dtype, torch.float32)).softmax(dim=-1)
             tokens, chosen = pick_tokens(expected, mask_token_id, do_sample=False)
             probabilities, picked = greedy_distributions(scores, mask_token_id)
@@ -129,10 +136,7 @@ def test_greedy_logsumexp_picks_what_greedy_distributions_picks_and_gives_its_pr
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for mask_token_id in (0, 77, 299):
-            scores = (torch.randn(6, 300, generator=generator) * 4).to(dtype)
-            scores[1, [5, 250]] = scores[1].max() + 1  # a tie at the top
-            scores[2, mask_token_id] = scores[2].max() + 1  # the mask token would win
-            scores[3] = 0.0  # every token ties
+            scores = hard_scores(generator, dtype, mask_token_id)
             scores[4, :150] = float("-inf")  # tokens a processor ruled out
             probabilities, picked = greedy_distributions(scores, mask_token_id)
             logsumexp, greedy = greedy_logsumexp(scores, mask_token_id)

@@ -389,16 +389,22 @@ def infill_round(generator, slots: int, size: int, vocab: int, mask_token_id: in
                 checked=checked, text=text, at=at)  # fmt: skip
 
 
+def warmed_up_scoring() -> tuple:
+    """A tiny model with `compiled_steps()` warmed up for it (with and without copied drafts): the model, its
+    vocabulary size, its mask token and the count of graphs compiled so far."""
+    model = sharpened_model("qwen3", scale=4.0)
+    warm_up_steps(model, lookup_drafts=3)
+    warm_up_steps(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return model, model.get_output_embeddings().weight.shape[0], model.config.mask_token_id, graphs
+
+
 def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager():
     """`score_infill` decides as the decoder's parts do, written out position by position: each checked position is
     scored by the row of the position before it (the fresh tokens' rows, then the queried drafts'); the model's own
     token and the draft's probability from `greedy_distributions` go to `judge_infill`, then `copy_drafts`. Compiled,
     it decides the same from the graphs `warm_up_steps` compiled."""
-    model = sharpened_model("qwen3", scale=4.0)
-    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
-    warm_up_steps(model, lookup_drafts=3)
-    warm_up_steps(model)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model, vocab, mask_token_id, graphs = warmed_up_scoring()
     generator = torch.Generator().manual_seed(11)
     eos = torch.tensor([3, -1, -1])
     threshold = torch.tensor(0.4, dtype=torch.float64)  # as the decoder passes it (`SlotDecoder.token_threshold`)
@@ -441,11 +447,7 @@ def test_a_verify_forward_scored_whole_decides_as_its_parts_and_compiled_as_eage
     (1 up to the forward's width) is scored by the slot's row of offset i - 1; the model's own token and the draft's
     probability from `greedy_distributions` go to `judge_verify` (the plan's drafts kept after a rejection, or the
     model's tokens), then `copy_drafts`. Compiled, it decides the same from the graphs `warm_up_steps` compiled."""
-    model = sharpened_model("qwen3", scale=4.0)
-    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
-    warm_up_steps(model, lookup_drafts=3)
-    warm_up_steps(model)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model, vocab, mask_token_id, graphs = warmed_up_scoring()
     generator = torch.Generator().manual_seed(12)
     eos = torch.tensor([3, -1, -1])
     threshold = torch.tensor(0.4, dtype=torch.float64)
@@ -487,11 +489,7 @@ def test_a_plan_scored_whole_picks_and_chooses_as_its_parts_and_compiled_as_eage
     """`score_plan` drafts and chooses as the decoder's parts do: each slot's greedy drafts and the probability of its
     first from `greedy_distributions`, `choose_slots`, then `copy_drafts` after the first token. Compiled, it decides
     the same from the graphs `warm_up_steps` compiled."""
-    model = sharpened_model("qwen3", scale=4.0)
-    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
-    warm_up_steps(model, lookup_drafts=3)
-    warm_up_steps(model)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model, vocab, mask_token_id, graphs = warmed_up_scoring()
     generator = torch.Generator().manual_seed(13)
     with torch.no_grad():
         for case in range(16):
