@@ -131,6 +131,9 @@ CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that p
 WINDOW_WIDTH = 8
 NARROW_WIDTHS = f"2-{WINDOW_WIDTH}"  # the widths whose saved forwards share a package, on some CPUs (`SavedForwards`)
 SHAPES_REMEMBERED = 1024  # a `SavedStep`'s runners by exact input shapes (the text's length varies by prompt)
+# Where a saved forward is compiled two ways and the faster kept (`SavedForwards`), each runs this many times in turn
+# on the forward's own inputs, the first of each untimed.
+PACKAGE_RACE_ROUNDS = 6
 # Inductor's CPU kernels split a loop among the threads once each thread would get `cpp.min_chunk_size` elements
 # (512 by default). A decoding forward's element-wise kernels (norms, RoPE, activations, the queries stacked for
 # attention) over 2-8 new tokens hold a few thousand elements, for which starting and joining the threads costs more
@@ -2259,7 +2262,15 @@ class SavedForwards:
     13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each in one probe, the same in another. A priced decode then
     runs its one-query forwards padded to two from that package too (`width_buckets`), and no one-query package is
     compiled for it. Elsewhere (measured on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a
-    package of its own."""
+    package of its own.
+
+    On a CPU with oneDNN's bfloat16 kernels but no AMX (AMD Zen 4 and 5), autotuned forwards with frozen weights of up
+    to `WINDOW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
+    (`max_autotune_gemm_backends="ATEN"`), and the package whose forward runs faster on the forward's own inputs is the
+    one kept (`race_packages`). Autotuning times each product alone with its weights in the caches, where the template
+    wins at 1-4 rows; a forward streams all the weights, where oneDNN's kernels (AVX512-BF16) do better: on an AMD Zen
+    5, SmolLM2's 1 / 2 / 4-query forwards (bfloat16) cost 13.0 / 13.6 / 16.5 ms autotuned and 11.2 / 10.7 / 10.8 with
+    oneDNN alone (benchmarks/results/smollm2-zen5-2026-12-06). The race costs a second compile of the narrow widths."""
 
     def __init__(self, model, compile_config: CompileConfig, folder: Path):
         if compile_config.backend != "inductor":
@@ -2272,8 +2283,10 @@ class SavedForwards:
         configs = cpu_kernel_configs(model.device, {**mode_options, **(compile_config.options or {})})
         self.attempts = [configs]  # the inductor configs to compile a package with, in turn until one compiles
         autotuned = configs.get("max_autotune") or configs.get("max_autotune_gemm")
-        if model.device.type == "cpu" and autotuned and freezes_weights(compile_config) and not onednn_bfloat16() \
-                and "max_autotune_gemm_backends" not in configs:  # fmt: skip
+        # autotuned CPU packages with frozen weights whose GEMM backends this class picks (the config names none)
+        picks_backends = model.device.type == "cpu" and autotuned and freezes_weights(compile_config) \
+            and "max_autotune_gemm_backends" not in configs  # fmt: skip
+        if picks_backends and not onednn_bfloat16():
             self.attempts = template_first(configs)
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
@@ -2283,6 +2296,10 @@ class SavedForwards:
         if amx_bfloat16(model.device) and autotuned and self.logits_width >= WINDOW_WIDTH \
                 and configs.get("max_autotune_gemm_backends", "CPP") == "CPP":  # fmt: skip
             self.narrow_attempts = template_first(configs)
+        # the inductor configs a narrow width's package races against, in turn; None: compiled as configured alone
+        self.rival_attempts = None
+        if picks_backends and onednn_bfloat16() and not amx_bfloat16(model.device):
+            self.rival_attempts = [{**configs, "max_autotune_gemm_backends": "ATEN"}]
         # the decoder's attention masks, scoring, whole infill rounds and copied drafts, compiled ahead of time beside
         # the forwards (a fused-redraft round's decision stays compiled)
         self.steps = dataclasses.replace(
@@ -2360,20 +2377,61 @@ class SavedForwards:
             served = exported_widths(exported) if shared else None
             if shared and not (served and served[0] <= 2 and served[1] >= WINDOW_WIDTH):
                 raise FixedWidth(f"The forward of {shape} exported for widths {served or 'fixed'}, not {NARROW_WIDTHS}")
-            for attempt, configs in enumerate(attempts, 1):
-                try:
-                    torch._inductor.aoti_compile_and_package(
-                        exported, package_path=package_path, inductor_configs=configs
-                    )
-                    return
-                except Exception as error:
-                    if attempt == len(attempts):
-                        raise
-                    logger.warning(f"Compiling the forward of {shape} with inductor's C++ GEMM template alone failed "
-                                   f"({type(error).__name__}: {str(error)[:300]}); compiling it with the compile "
-                                   "config's GEMM backends.")  # fmt: skip
+            compile_package(exported, shape, attempts, package_path)
+            if self.rival_attempts and not shared and shape[1] <= WINDOW_WIDTH:
+                self.keep_faster(exported, shape, inputs, package_path)
 
         return load_or_build_package(self.path(shape), build, "forward")
+
+    def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
+        """Compile the forward `exported` again with `rival_attempts` beside the package at `package_path` and leave
+        there whichever runs faster on `inputs` (the forward's own: they write the same keys and values at the same
+        columns as the forward will). A rival that does not compile leaves the package as it is, with a warning."""
+        rival = Path(package_path).with_name(f"{Path(package_path).stem}.rival.pt2")
+        try:
+            try:
+                compile_package(exported, shape, self.rival_attempts, str(rival))
+            except Exception as error:
+                logger.warning(f"Compiling the forward of {shape} with oneDNN's products alone failed "
+                               f"({type(error).__name__}: {str(error)[:300]}); keeping it as configured.")  # fmt: skip
+                return
+            flat = [*inputs[:4], *inputs[4], *inputs[5]]
+            configured, alone = race_packages([package_path, str(rival)], flat)
+            kept = "oneDNN's" if alone < configured else "as configured"
+            logger.info(f"The forward of {shape}: {1e3 * configured:.2f} ms as configured, {1e3 * alone:.2f} ms with "
+                        f"oneDNN's products alone; keeping the package {kept}.")  # fmt: skip
+            if alone < configured:
+                os.replace(rival, package_path)
+        finally:
+            rival.unlink(missing_ok=True)
+
+
+def compile_package(exported, shape: tuple, attempts: list[dict], package_path: str) -> None:
+    """Compile the forward of `shape` `exported` into an AOTInductor package at `package_path` with the first of the
+    inductor configs `attempts` that compiles it (the earlier ones: inductor's C++ GEMM template alone)."""
+    for attempt, configs in enumerate(attempts, 1):
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=package_path, inductor_configs=configs)
+            return
+        except Exception as error:
+            if attempt == len(attempts):
+                raise
+            logger.warning(f"Compiling the forward of {shape} with inductor's C++ GEMM template alone failed "
+                           f"({type(error).__name__}: {str(error)[:300]}); compiling it with the compile config's "
+                           "GEMM backends.")  # fmt: skip
+
+
+def race_packages(paths: list[str], inputs: list[torch.Tensor], rounds: int = PACKAGE_RACE_ROUNDS) -> list[float]:
+    """Seconds the fastest run of each AOTInductor package at `paths` took on the flat `inputs` (CPU), the packages
+    run in turn `rounds` times (so that a busy moment of the machine falls on each alike), the first round untimed."""
+    runners = [torch._inductor.aoti_load_package(path).loader for path in paths]
+    seconds = [[] for _ in paths]
+    for _ in range(rounds):
+        for runner, times in zip(runners, seconds):
+            start = time.perf_counter()
+            runner.boxed_run(list(inputs))
+            times.append(time.perf_counter() - start)
+    return [min(times[1:]) for times in seconds]
 
 
 class SavedStep:
@@ -2951,14 +3009,30 @@ def device_name(model) -> str:
     return f"{cpu_name()} {torch.backends.cpu.get_cpu_capability()}"
 
 
+@functools.cache
 def cpu_name() -> str:
-    """The processor's model name, and "AMX" when it has AMX tiles (Linux; elsewhere the machine type)."""
+    """This machine's `processor_name` (Linux; elsewhere the machine type), read once a process."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        return processor_name(Path("/proc/cpuinfo").read_text())
     except OSError:
         return platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    return f"{name or platform.machine()}{' AMX' if 'amx_tile' in info else ''}"
+
+
+def processor_name(cpuinfo: str) -> str:
+    """The first processor's model name in `cpuinfo` (the text of Linux's /proc/cpuinfo) with its family and model
+    numbers, and "AMX" when it has AMX tiles. Prices and compiled code differ between processors that a virtual machine
+    may name alike: "AMD EPYC" is both a Zen 4 (family 25) and a Zen 5 (family 26), where SmolLM2's saved forwards of 1
+    and 8 queries were priced at 8.8 and 20.8 ms on the one and 9.9 and 12.0 on the other."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():  # (the first processor's fields end here)
+            break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}{' AMX' if 'amx_tile' in fields.get('flags', '').split() else ''}"
 
 
 def price_file() -> Path | None:

@@ -235,6 +235,35 @@ def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatc
     assert torch.equal(first.sequences, again.sequences)  # the table in force was the measured one
 
 
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16
+
+processor\t: 1
+cpu family\t: 25
+model\t\t: 17
+model name\t: (the first processor's name counts)
+flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile
+"""
+
+
+def test_processors_a_virtual_machine_names_alike_get_names_of_their_own():
+    """Price tables and packages are keyed by the processor's name: a Zen 4 and a Zen 5 that a virtual machine both
+    calls "AMD EPYC" differ by family and model; AMX tiles are named; the first processor's fields are read."""
+    zen5 = ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")
+    amx = "cpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: avx512f amx_tile\n"
+    names = [generation_refusion.processor_name(info) for info in (ZEN4, zen5, amx)]
+    assert names == [
+        "AMD EPYC (family 25, model 17)", "AMD EPYC (family 26, model 2)",
+        "Intel(R) Xeon(R) Platinum (family 6, model 143) AMX",
+    ]  # fmt: skip
+    assert generation_refusion.processor_name("flags\t: avx2 not_amx_tile\n") == generation_refusion.platform.machine()
+    assert generation_refusion.cpu_name() in generation_refusion.device_name(sharpened_model("qwen2", scale=4.0))
+
+
 class FakeForwards:
     """Forwards that take `cost(width)` seconds on a clock of their own (the module's `time.perf_counter`), the
     widths run recorded."""

@@ -184,6 +184,63 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
     assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [None]
 
 
+def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configured_and_with_onednn_alone(
+    tmp_path, monkeypatch, caplog
+):
+    """On a CPU with oneDNN's bfloat16 kernels but no AMX, an autotuned frozen forward of up to `WINDOW_WIDTH` new
+    tokens is compiled as configured and with oneDNN's products alone, and the package that ran faster on the
+    forward's inputs is the one kept (no other file left), which gives the eager logits and a later process loads;
+    wider forwards compile once. Named backends, no autotuning, unfrozen, AMX or no oneDNN bfloat16: no rival."""
+    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
+    backends, race, compile_package = [], [], torch._inductor.aoti_compile_and_package
+    race_packages = generation_refusion.race_packages
+
+    def recorded(exported, package_path, inductor_configs):
+        if not Path(package_path).name.startswith("step-"):
+            backends.append(inductor_configs.get("max_autotune_gemm_backends"))
+        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
+
+    def watched(paths, inputs, rounds=generation_refusion.PACKAGE_RACE_ROUNDS):
+        seconds = race_packages(paths, inputs, rounds)
+        race.append((seconds, [Path(path).read_bytes() for path in paths]))
+        return seconds
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
+    monkeypatch.setattr(generation_refusion, "race_packages", watched)
+    model = sharpened_model("qwen2", scale=4.0).float()
+    autotuned = compile_config(freezing=True, max_autotune=True)
+    eager = model(input_ids=torch.arange(3, 3 + 6 + 16)[None]).logits
+    caplog.set_level("INFO", logger=generation_refusion.logger.name)
+    saved = SavedForwards(model, autotuned, tmp_path)
+    output, logits = causal_forward(model, saved, 2)
+    torch.testing.assert_close(logits, eager[:, 6:8], rtol=1e-4, atol=1e-4)
+    assert backends == [None, "ATEN"] and len(race) == 1
+    (configured, alone), contents = race[0]
+    assert configured > 0 and alone > 0
+    [package] = tmp_path.iterdir()
+    assert package == saved.path((1, 2, 128, 128))
+    assert package.read_bytes() == contents[1 if alone < configured else 0]
+    assert f"keeping the package {'oneDNN' if alone < configured else 'as configured'}" in caplog.text
+
+    later = SavedForwards(model, autotuned, tmp_path)  # as a later process would: loads the kept package
+    output, logits = causal_forward(model, later, 2)
+    torch.testing.assert_close(logits, eager[:, 6:8], rtol=1e-4, atol=1e-4)
+    output, logits = causal_forward(model, later, 16)
+    torch.testing.assert_close(logits, eager[:, 6:22], rtol=1e-4, atol=1e-4)
+    assert backends == [None, "ATEN", None] and len(race) == 1
+
+    for config in (compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="ATEN,CPP"),
+                   compile_config(freezing=True), compile_config(max_autotune=True)):  # fmt: skip
+        assert SavedForwards(model, config, tmp_path).rival_attempts is None
+    assert SavedForwards(model, autotuned, tmp_path).rival_attempts[0]["max_autotune_gemm_backends"] == "ATEN"
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    assert SavedForwards(model, autotuned, tmp_path).rival_attempts is None
+    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
+    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: False)
+    assert SavedForwards(model, autotuned, tmp_path).rival_attempts is None
+
+
 def test_on_a_cpu_with_amx_the_narrow_widths_share_a_package_a_key_window(tmp_path, monkeypatch, caplog):
     """With AMX, autotuned packages with frozen weights of 2 to `WINDOW_WIDTH` new tokens are one package (the width a
     dynamic dimension, the C++ GEMM template alone: one frozen copy of the weights for the narrow forwards), one
