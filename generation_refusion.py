@@ -2511,7 +2511,9 @@ def load_or_build_package(path: Path, build: Callable[[str], None], what: str):
     """The AOTInductor package kept at `path`, loaded. Where there is none, or it does not load (damaged, or built
     elsewhere: then with a warning naming the saved `what`), `build(package_path)` compiles it first, into a partial
     file that is then renamed to `path`, so that a package is seen whole or not at all and processes may share a
-    folder."""
+    folder. It is built without autograd whatever the caller's grad mode: exported with grad enabled, the weights
+    stay the graph's parameters and inductor's freezing leaves them out (a slower package, then kept under the same
+    key for every later process)."""
     if path.exists():
         try:
             return torch._inductor.aoti_load_package(str(path))
@@ -2521,7 +2523,8 @@ def load_or_build_package(path: Path, build: Callable[[str], None], what: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
-        build(str(partial))
+        with torch.no_grad():
+            build(str(partial))
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

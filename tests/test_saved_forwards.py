@@ -419,3 +419,18 @@ def test_a_decode_through_saved_forwards_on_a_cpu_runs_its_masks_and_infill_roun
     assert calls.count("static_mask") == saved.num_forward_passes
     assert set(calls) <= {"static_mask", "greedy_distributions", "copy_drafts", *whole} and whole <= set(calls)
     assert len(compiles) == count  # compile_forwards compiled it all
+
+
+def test_a_package_built_with_grad_enabled_has_its_weights_frozen(tmp_path):
+    """A first forward outside `torch.no_grad()` (a price probe, a user's own call of the backbone) builds the package
+    that every later process loads under the same key: built with autograd on, export would keep the weights as the
+    graph's parameters and freezing would leave them out (constants named after the layers, a slower package)."""
+    model = sharpened_model("llama", scale=4.0)
+    compiled = compiled_backbone(model, compile_config(freezing=True), tmp_path)
+    cache = generation_refusion.slot_cache(model, 1, 40)
+    with torch.enable_grad():
+        generation_refusion.timed_forward(model, compiled, cache, 4, 4)
+    (runner,) = compiled.runners.values()
+    constants = runner.get_constant_fqns()
+    assert any(name.startswith("_frozen_param") for name in constants)
+    assert not [name for name in constants if "proj" in name]  # no linear layer's weight left unfrozen
