@@ -156,6 +156,14 @@ PRICE_SECONDS = 4.0
 # measured while the machine was busy, or in a state decodes are not in).
 PRICE_STALE = 0.75
 PRICE_CACHE_VARIABLE = "REFUSION_PRICE_CACHE"
+# A measured width priced within this share above the narrowest width's price is priced as the narrowest: width that
+# costs about nothing is taken as free. The schedule's expected tokens rest on the acceptance seen so far, low early in
+# a prompt (`draft_prior`) and pooled over drafts of every kind, so a near-tie between widths goes to the narrower one
+# where the wider would have paid: SmolLM2 on an AMX CPU, its measured 2 / 4 / 8-query forwards 15.8 / 16.5 / 16.9 ms
+# (in decodes 13.8 / 14.2 / 14.8), decoded at 1.11x and 1.13x the frozen static AR as measured and at 1.16x both times
+# with widths 2 to 8 priced alike, 1.33 tokens a forward against 1.28, every pass of seven faster, the same tokens
+# (benchmarks/results/smollm2-amx-2026-12-06/probes.md, session 38). A caller's table is taken as given.
+PRICE_FREE = 0.08
 # Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
 CONTEXT_FREE = (
     lp.TemperatureLogitsWarper,
@@ -986,8 +994,9 @@ def check_forward_prices(table) -> dict[int, float]:
 class ForwardPrices:
     """What a forward of `width` new tokens per row costs, from a table of measured widths: interpolated linearly
     between them, the narrowest's price below it, prorated past the widest. A width is never priced above a wider
-    one (it could run padded to it), which also bounds a measurement's noise. With the width `buckets` of compiled
-    forwards, widths are first padded to their bucket, as the forward runs."""
+    one (it could run padded to it), which also bounds a measurement's noise; in a measured table (`key`), no width
+    within `PRICE_FREE` of the narrowest's price above it. With the width `buckets` of compiled forwards, widths are
+    first padded to their bucket, as the forward runs."""
 
     def __init__(self, table: dict[int, float], buckets: tuple[int, ...] | None = None, key: str | None = None):
         self.table, self.buckets = check_forward_prices(table), buckets
@@ -998,6 +1007,11 @@ class ForwardPrices:
         self.tried: set[int] = set()  # buckets run once at their own width before padding them (`run_width`)
         for narrower, wider in zip(reversed(self.widths[:-1]), reversed(self.widths[1:])):
             self.table[narrower] = min(self.table[narrower], self.table[wider])
+        if key is not None:  # measured: widths within `PRICE_FREE` of the narrowest are free
+            narrowest = self.table[self.widths[0]]
+            for width, price in self.table.items():
+                if price <= (1 + PRICE_FREE) * narrowest:
+                    self.table[width] = narrowest
 
     def __call__(self, width: int) -> float:
         width = pad_width(width, self.buckets)

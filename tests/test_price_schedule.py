@@ -87,6 +87,18 @@ def test_prices_interpolate_prorate_and_pad_to_the_compiled_buckets():
     assert [noisy(width) for width in (1, 8, 16, 32, 64)] == [6.5, 6.5, 6.5, 6.5, 9.8]
 
 
+def test_a_measured_table_takes_widths_within_a_few_percent_of_the_narrowest_as_free():
+    table = {1: 10.0, 2: 10.3, 4: 10.7, 8: 11.5, 16: 15.0}  # 4 is within PRICE_FREE (8%) of 1, 8 is not
+    measured, given = ForwardPrices(table, key="measured"), ForwardPrices(table)
+    assert [measured(width) for width in (1, 2, 3, 4, 8, 16)] == [10.0, 10.0, 10.0, 10.0, 11.5, 15.0]
+    assert [given(width) for width in (2, 4)] == [10.3, 10.7]  # the caller's table is taken as given
+    # where drafts earn little, the measured table still takes every draft a free width holds; the caller's does not
+    widths = [1, 2, 3, 4, 5]
+    assert best_window(measured, 0.05, widths) == 3 and best_window(given, 0.05, widths) == 1
+    measured.observe(4, 0.7 * 10.7)  # its staleness is still judged against what was measured
+    assert measured.stale() == (4, pytest.approx(7.49))
+
+
 def test_a_forward_runs_at_the_cheapest_bucket_as_wide_as_it():
     table, buckets = {1: 17.2, 2: 14.5, 4: 14.4, 8: 47.5, 16: 74.6}, (1, 2, 4, 8, 16, 32)
     widths = (1, 2, 3, 4, 5, 16, 32, 40)
