@@ -48,9 +48,12 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
+import tempfile
 import textwrap
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
@@ -111,8 +114,7 @@ CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=
 # a bounded number of graphs. Wider forwards (a long plan) run eagerly over the same static cache, and so does the
 # prompt's where the model's linear layers are prepacked for it and that measured cheaper (`prompt_runs_eagerly`).
 # Priced drafts (`draft_schedule="price"`) also get the narrow buckets: where width is dear they choose forwards of one
-# or two queries, which padded to 8 would cost what 8 cost (one query pads to two where saved forwards share a package
-# for the narrow widths: `width_buckets`).
+# or two queries, which padded to 8 would cost what 8 cost.
 WIDTH_BUCKETS = (8, 16, 32, 64)
 NARROW_BUCKETS = (1, 2, 4)
 RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cache lengths x batch sizes
@@ -129,7 +131,12 @@ CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that p
 # bfloat16, AMX CPU: 12.6-13.1 ms over 256 columns, against the AR's 12.1-12.5 over 128). Each window is a graph of
 # its own; wider forwards, rare after the prompt's, attend over the whole cache, which bounds the graphs compiled.
 WINDOW_WIDTH = 8
-NARROW_WIDTHS = f"2-{WINDOW_WIDTH}"  # the widths whose saved forwards share a package, on some CPUs (`SavedForwards`)
+# On some CPUs the saved forwards of up to `WINDOW_WIDTH` new tokens keep their weights outside their code, so that
+# they run from one copy of them (`SavedForwards`, `SharedWeights`): inductor's configs for that.
+WEIGHTS_APART = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "binary_blob",
+}
 SHAPES_REMEMBERED = 1024  # a `SavedStep`'s runners by exact input shapes (the text's length varies by prompt)
 # Where a saved forward is compiled two ways and the faster kept (`SavedForwards`), each runs this many times in turn
 # on the forward's own inputs, the first of each untimed.
@@ -2267,16 +2274,15 @@ class SavedForwards:
     product from 8 rows (the template there multiplies bfloat16 in float32), and SmolLM2's saved 8-query forward cost
     26-32 ms against 50-52 with the template alone.
 
-    On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of 2 to `WINDOW_WIDTH` new tokens
-    share one package a key window, their width a dynamic dimension, its products from the C++ template alone (there
-    autotuning takes it for each width anyway; left to choose for a width it does not know, it took oneDNN's, 17-21 ms
-    against 13-14). Each package holds its own frozen copy of the weights: one for the narrow widths compiles in less
-    time and keeps fewer copies (SmolLM2, bfloat16: its priced widths compiled in 581 s against 825), with the same
-    logits bit for bit; run in turn as a decode runs them, its 2 / 4 / 8-query forwards cost 12.0-12.8 / 12.5-13.1 /
-    13.4-14.1 ms against 13.2 / 13.5 / 14.4 for a package each in one probe, the same in another. A priced decode then
-    runs its one-query forwards padded to two from that package too (`width_buckets`), and no one-query package is
-    compiled for it. Elsewhere (measured on an AMD Zen 4, where oneDNN's products win from 8 rows) each width keeps a
-    package of its own.
+    On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of up to `WINDOW_WIDTH` new tokens take
+    their products from inductor's C++ template alone (there autotuning takes it for each width anyway; left to
+    choose for a width it does not know, it took oneDNN's, 17-21 ms against 13-14) and keep their weights outside
+    their code (`WEIGHTS_APART`), where the template's packed layout does not depend on the width: the packages run
+    from one copy of the weights (`SharedWeights`), so that a decode alternating widths does not evict one package's
+    weights from the processor's caches with another's. SmolLM2 in bfloat16 (330 MB of weights), its 1 / 2 / 4 /
+    8-query forwards run in turn as a decode runs them: 12.4 / 12.9 / 13.5 / 14.0 ms, against 13.2 / 13.3 / 13.5 / 14.2
+    from one package of dynamic width (2-8, one query padded to two; what this class compiled before) and 13.2 / 13.5
+    / 14.4 (2 / 4 / 8) from packages each with a copy of its own; the same logits bit for bit.
 
     On a CPU with oneDNN's bfloat16 kernels but no AMX (AMD Zen 4 and 5), autotuned forwards with frozen weights of up
     to `WINDOW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
@@ -2305,11 +2311,13 @@ class SavedForwards:
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
-        # the inductor configs of the narrow widths' shared package, in turn; None: a package a width
+        # the inductor configs of the narrow widths' packages, whose weights are shared, in turn; None: compiled as
+        # the others are, each with weights of its own
         self.narrow_attempts = None
         if amx_bfloat16(model.device) and autotuned and self.logits_width >= WINDOW_WIDTH \
                 and configs.get("max_autotune_gemm_backends", "CPP") == "CPP":  # fmt: skip
-            self.narrow_attempts = template_first(configs)
+            self.narrow_attempts = [{**attempt, **WEIGHTS_APART} for attempt in template_first(configs)]
+        self.weights = SharedWeights()
         # the inductor configs a narrow width's package races against, in turn; None: compiled as configured alone
         self.rival_attempts = None
         if picks_backends and onednn_bfloat16() and not amx_bfloat16(model.device):
@@ -2336,21 +2344,14 @@ class SavedForwards:
         )  # fmt: skip
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
-        batch_size, width = input_ids.shape
-        shared = self.shares_narrow and 2 <= width <= WINDOW_WIDTH
-        shape = (batch_size, NARROW_WIDTHS if shared else width, cache.max_cache_len, cache.window)
+        shape = (*input_ids.shape, cache.max_cache_len, cache.window)
         attention_mask = attention_mask.contiguous()  # (a key window's columns of the mask)
         if shape not in self.runners:
             inputs = (
                 input_ids, position_ids, attention_mask, cache.columns,
                 [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
             )  # fmt: skip
-            try:
-                self.runners[shape] = self.load_or_compile(shape, inputs, cache).loader
-            except FixedWidth as error:
-                logger.warning(f"{error}; the narrow widths get a package each.")
-                self.narrow_attempts = None
-                return self(input_ids, position_ids, attention_mask, cache, use_cache)
+            self.runners[shape] = self.load_or_compile(shape, inputs, cache)
         # the package's inputs as its pytree flattens them, run boxed: its own call reads its specs from JSON and
         # flattens the inputs every time
         flat = [input_ids, position_ids, attention_mask, cache.columns]
@@ -2360,42 +2361,37 @@ class SavedForwards:
     def __deepcopy__(self, memo):
         return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
 
-    def path(self, shape: tuple[int, int | str, int, int]) -> Path:
-        """Where the package of forwards of `shape` (batch size, width or `NARROW_WIDTHS`, cache length, key window)
-        is kept."""
+    def path(self, shape: tuple[int, int, int, int]) -> Path:
+        """Where the package of forwards of `shape` (batch size, width, cache length, key window) is kept."""
         key = f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}, window {shape[3]}"
         return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
 
     @property
-    def shares_narrow(self) -> bool:
-        """Whether the forwards of 2 to `WINDOW_WIDTH` new tokens share one package a key window."""
+    def shares_weights(self) -> bool:
+        """Whether the forwards of up to `WINDOW_WIDTH` new tokens run from one copy of the weights."""
         return self.narrow_attempts is not None
 
     @property
     def kind(self) -> str:
         """The forwards' path as a price table's key names it (`price_key`)."""
-        shared = f", widths {NARROW_WIDTHS} in one package" if self.shares_narrow else ""
+        shared = f", widths up to {WINDOW_WIDTH} sharing their weights" if self.shares_weights else ""
         return f"saved (AOTInductor){shared}"
 
-    def load_or_compile(self, shape: tuple[int, int | str, int, int], inputs: tuple, cache: "SlotCache"):
-        shared = shape[1] == NARROW_WIDTHS
-        attempts = self.narrow_attempts if shared else self.attempts
+    def load_or_compile(self, shape: tuple[int, int, int, int], inputs: tuple, cache: "SlotCache"):
+        """The runner of the package of forwards of `shape`, loaded, or compiled first (from `inputs`, over `cache`)."""
+        shared = self.shares_weights and shape[1] <= WINDOW_WIDTH
 
         def build(package_path: str):
-            widest = WINDOW_WIDTH if shared else shape[1]
-            head = self.model.get_output_embeddings() if widest <= self.logits_width else None
+            head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
             backbone = ExportedBackbone(self.model.get_decoder(), cache, shape[3], head)
-            exported = torch.export.export(
-                backbone, inputs, dynamic_shapes=narrow_shapes(len(cache.layers)) if shared else None, strict=False
-            )
-            served = exported_widths(exported) if shared else None
-            if shared and not (served and served[0] <= 2 and served[1] >= WINDOW_WIDTH):
-                raise FixedWidth(f"The forward of {shape} exported for widths {served or 'fixed'}, not {NARROW_WIDTHS}")
-            compile_package(exported, shape, attempts, package_path)
-            if self.rival_attempts and not shared and shape[1] <= WINDOW_WIDTH:
+            exported = torch.export.export(backbone, inputs, strict=False)
+            compile_package(exported, shape, self.narrow_attempts if shared else self.attempts, package_path)
+            if self.rival_attempts and shape[1] <= WINDOW_WIDTH:
                 self.keep_faster(exported, shape, inputs, package_path)
 
-        return load_or_build_package(self.path(shape), build, "forward")
+        flat = [*inputs[:4], *inputs[4], *inputs[5]]
+        load = functools.partial(self.weights.load, inputs=flat) if shared else load_package
+        return load_or_build_package(self.path(shape), build, "forward", load)
 
     def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
         """Compile the forward `exported` again with `rival_attempts` beside the package at `package_path` and leave
@@ -2438,7 +2434,7 @@ def compile_package(exported, shape: tuple, attempts: list[dict], package_path: 
 def race_packages(paths: list[str], inputs: list[torch.Tensor], rounds: int = PACKAGE_RACE_ROUNDS) -> list[float]:
     """Seconds the fastest run of each AOTInductor package at `paths` took on the flat `inputs` (CPU), the packages
     run in turn `rounds` times (so that a busy moment of the machine falls on each alike), the first round untimed."""
-    runners = [torch._inductor.aoti_load_package(path).loader for path in paths]
+    runners = [load_package(Path(path)) for path in paths]
     seconds = [[] for _ in paths]
     for _ in range(rounds):
         for runner, times in zip(runners, seconds):
@@ -2518,19 +2514,24 @@ class SavedStep:
             torch._inductor.aoti_compile_and_package(exported, package_path=package_path, inductor_configs=configs)
 
         path = self.folder / f"step-{hashlib.sha256(self.key(signature, constants).encode()).hexdigest()[:32]}.pt2"
-        return load_or_build_package(path, build, "step").loader
+        return load_or_build_package(path, build, "step")
 
 
-def load_or_build_package(path: Path, build: Callable[[str], None], what: str):
-    """The AOTInductor package kept at `path`, loaded. Where there is none, or it does not load (damaged, or built
-    elsewhere: then with a warning naming the saved `what`), `build(package_path)` compiles it first, into a partial
-    file that is then renamed to `path`, so that a package is seen whole or not at all and processes may share a
-    folder. It is built without autograd whatever the caller's grad mode: exported with grad enabled, the weights
-    stay the graph's parameters and inductor's freezing leaves them out (a slower package, then kept under the same
-    key for every later process)."""
+def load_package(path: Path):
+    """The runner of the AOTInductor package at `path` (its `boxed_run` takes the flat inputs)."""
+    return torch._inductor.aoti_load_package(str(path)).loader
+
+
+def load_or_build_package(path: Path, build: Callable[[str], None], what: str, load: Callable = load_package):
+    """The runner of the AOTInductor package kept at `path`, loaded by `load`. Where there is none, or it does not
+    load (damaged, or built elsewhere: then with a warning naming the saved `what`), `build(package_path)` compiles it
+    first, into a partial file that is then renamed to `path`, so that a package is seen whole or not at all and
+    processes may share a folder. It is built without autograd whatever the caller's grad mode: exported with grad
+    enabled, the weights stay the graph's parameters and inductor's freezing leaves them out (a slower package, then
+    kept under the same key for every later process)."""
     if path.exists():
         try:
-            return torch._inductor.aoti_load_package(str(path))
+            return load(path)
         except Exception as error:  # any failure to load means: compile it again
             logger.warning(f"The saved {what} {path} did not load ({type(error).__name__}: {error}); compiling it "
                            "again.")  # fmt: skip
@@ -2542,7 +2543,112 @@ def load_or_build_package(path: Path, build: Callable[[str], None], what: str):
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    return torch._inductor.aoti_load_package(str(path))
+    return load(path)
+
+
+class SharedWeights:
+    """One copy in memory of the weights of AOTInductor packages compiled with their weights outside their code
+    (`WEIGHTS_APART`: a `.blob` of every constant, laid out as the package's C++ wrapper lists them). `load` runs a
+    package from the copies of constants that earlier packages loaded where they are the same byte for byte (by name,
+    dtype, shape and strides), and keeps its others for later ones. Packages of one frozen model that differ in the
+    width of their forwards hold the same folded weights (inductor's C++ GEMM template packs them alike whatever the
+    row count): they then run from one copy. The first package loaded so runs once on a forward's inputs both ways,
+    from the constants read here and with its own loader's, and must give the same outputs bit for bit (the reading
+    rests on AOTInductor's layout of the blob, which no API states); where it does not, it and every later package
+    load with weights of their own, with a warning, as does a package whose constants cannot be read so."""
+
+    dtypes = {
+        "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+        "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+        "bool": torch.bool,
+    }  # fmt: skip
+
+    def __init__(self):
+        self.kept = {}  # (name, dtype, shape, strides) -> (the constant's bytes, the constant)
+        self.checked = False  # whether a package ran from constants read here as from its loader's own
+        self.refused = False  # whether one ran otherwise: then none shares
+
+    def load(self, path: Path, inputs: list[torch.Tensor]):
+        """The runner of the package at `path` (its `boxed_run` takes the flat inputs), over shared constants;
+        `inputs` are a forward's own flat inputs (they write what it will write), for the first package's check."""
+        if self.refused:
+            return load_package(path)
+        try:  # (a package that does not load at all fails again below, and is compiled again)
+            with tempfile.TemporaryDirectory() as folder:
+                with zipfile.ZipFile(path) as archive:
+                    archive.extractall(folder)
+                (code,), (blob,), (wrapper,) = (list(Path(folder).rglob(f"*.{end}")) for end in
+                                                ("wrapper.so", "wrapper_weights.blob", "wrapper.cpp"))  # fmt: skip
+                runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(code), 1)  # (loaded: the files may go)
+                data = torch.empty(blob.stat().st_size, dtype=torch.uint8)
+                with blob.open("rb") as file:
+                    if file.readinto(data.numpy()) != data.numel():
+                        raise ValueError(f"{blob.name} was read short")
+                constants = package_constants(wrapper.read_text(), data)
+            if set(constants) != set(runner.get_constant_names_to_dtypes()):
+                raise ValueError("the constants listed by the wrapper are not the package's")
+            shared = {}
+            for name, (raw, tensor) in constants.items():
+                key = (name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+                kept = self.kept.get(key)
+                if kept is None or not torch.equal(kept[0], raw):
+                    kept = self.kept[key] = (raw, tensor)
+                shared[name] = kept[1]
+            runner.update_constant_buffer(shared, False, True, True)  # active buffer, every constant, user-managed
+            if not self.checked:
+                self.check(runner, path, inputs)
+        except Exception as error:
+            logger.warning(f"The saved forward {path} does not run from weights shared with other widths' "
+                           f"({type(error).__name__}: {str(error)[:300]}); it loads with its own.")  # fmt: skip
+            return load_package(path)
+        return SharedWeightsRunner(runner, shared)
+
+    def check(self, runner, path: Path, inputs: list[torch.Tensor]) -> None:
+        """Run `runner` (the package at `path` over constants read here) and the package with its own loader's on
+        `inputs`; where their outputs differ, share no weights from now on (a ValueError)."""
+        own = load_package(path).boxed_run(list(inputs))
+        if not all(torch.equal(mine, theirs) for mine, theirs in zip(runner.run(list(inputs)), own)):
+            self.refused, self.kept = True, {}
+            raise ValueError("its outputs from the weights as read here differ from its own loader's; no package will "
+                             "share weights")  # fmt: skip
+        self.checked = True
+
+
+class SharedWeightsRunner:
+    """An AOTInductor package's runner over constants it does not own (`SharedWeights`): holds them while it runs."""
+
+    def __init__(self, runner, constants: dict[str, torch.Tensor]):
+        self.runner, self.constants = runner, constants
+
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.runner.run(inputs)
+
+
+def package_constants(wrapper: str, blob: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The constants of an AOTInductor package kept apart from its code (`WEIGHTS_APART`), by name: each its bytes in
+    `blob` (the package's weights file, read as bytes) and the tensor over them, as `wrapper` (the package's C++
+    wrapper source, whose `constants_info_` lists each constant's dtype, byte size, shape, strides and offset, in the
+    blob's order, each padded to 64 bytes) describes them. A ValueError where they do not fill the blob."""
+    fields = {}
+    for index, name, value in re.findall(r"constants_info_\[(\d+)\]\.(\w+) = (.*);", wrapper):
+        fields.setdefault(int(index), {})[name] = value.strip('"')
+    constants, start = {}, 0
+    for index in sorted(fields):
+        info = fields[index]
+        if info["from_folded"] != "false" or info["device_type"] != "cached_torch_device_type_cpu":
+            raise ValueError(f"constant {info['name']} is not a CPU weight of the blob")
+        size = int(info["data_size"])
+        raw = blob[start : start + size]
+        if raw.numel() != size:
+            raise ValueError(f"the weights file ends before constant {info['name']}")
+        dtype = SharedWeights.dtypes[info["dtype"].removeprefix("cached_torch_dtype_")]
+        shape, strides = ([int(value) for value in re.findall(r"-?\d+", info[what])] for what in ("shape", "stride"))
+        typed = raw.view(dtype)
+        constants[info["name"]] = raw, typed.as_strided(shape, strides, typed.storage_offset() + int(info["offset"]))
+        start += -(-size // 64) * 64
+    if not constants or start < blob.numel():
+        raise ValueError(f"the wrapper lists {start} bytes of constants for a weights file of {blob.numel()}")
+    return constants
 
 
 class StepModule(torch.nn.Module):
@@ -2559,31 +2665,6 @@ class StepModule(torch.nn.Module):
         for index, tensor in zip(self.tensors, tensors):
             arguments[index] = tensor
         return self.function(*arguments)
-
-
-class FixedWidth(Exception):
-    """The forward exported for the narrow widths' shared package does not serve them all (the trace fixed its
-    width): `SavedForwards` then compiles a package a width."""
-
-
-def narrow_shapes(layers: int) -> tuple:
-    """`torch.export`'s dynamic shapes for `ExportedBackbone`'s inputs with the width (new tokens) dynamic: the ids',
-    positions' and write columns' second dimension and the mask's third; the cache's `layers` keys and values fixed.
-    (`Dim.AUTO`, not a `Dim` bounded to `WINDOW_WIDTH`: the trace cannot prove that bound, and a narrower range than
-    the package serves is checked after the export, `exported_widths`.)"""
-    width = torch.export.Dim.AUTO
-    return {1: width}, {1: width}, {2: width}, {1: width}, [None] * layers, [None] * layers
-
-
-def exported_widths(exported) -> tuple[int, float] | None:
-    """The widths (least, most) an exported forward serves: the range of its input ids' second dimension, None where
-    the export fixed it."""
-    name = exported.graph_signature.user_inputs[0]
-    width = next(node for node in exported.graph.nodes if node.name == name).meta["val"].shape[1]
-    if not isinstance(width, torch.SymInt):
-        return None
-    bounds = exported.range_constraints[width.node.expr]
-    return int(bounds.lower), float(bounds.upper)
 
 
 class ExportedBackbone(torch.nn.Module):
@@ -2699,20 +2780,10 @@ def graph_logits_width(compile_config: CompileConfig) -> int:
     return LOGITS_IN_GRAPH_WIDTH if freezes_weights(compile_config) else 0
 
 
-def width_buckets(draft_schedule: str, compiled=None) -> tuple[int, ...]:
-    """The widths forwards through the `compiled` backbone run at under `draft_schedule`: `WIDTH_BUCKETS`, and for
-    priced drafts the `NARROW_BUCKETS` too, but for one query where saved forwards serve the narrow widths from one
-    package (`SavedForwards.shares_narrow`): a one-query forward then runs padded to two from that package, so that
-    a decode keeps one copy of the weights in the processor's cache rather than two in turn. SmolLM2 in bfloat16 on
-    an AMX CPU, the 32 held-out prompts decoded in turn both ways in one process, three passes: 96.5-97.4 tokens/s
-    against 92.7-95.7 with the one-query package (1.31 tokens a forward against 1.26: the two-query package's price
-    table made padded drafts free), the forwards 12.4-12.5 ms on average against 12.2-12.7; a one-query forward
-    costs ~0.5 ms more right after one of the other package than right after its own (probes.md, session 34)."""
-    if draft_schedule != "price":
-        return WIDTH_BUCKETS
-    if getattr(compiled, "shares_narrow", False):
-        return tuple(width for width in NARROW_BUCKETS if width > 1) + WIDTH_BUCKETS
-    return NARROW_BUCKETS + WIDTH_BUCKETS
+def width_buckets(draft_schedule: str) -> tuple[int, ...]:
+    """The widths compiled forwards run at under `draft_schedule`: `WIDTH_BUCKETS`, and for priced drafts the
+    `NARROW_BUCKETS` too."""
+    return NARROW_BUCKETS + WIDTH_BUCKETS if draft_schedule == "price" else WIDTH_BUCKETS
 
 
 def packed_for(model, width: int) -> bool:
@@ -2868,7 +2939,7 @@ def compile_forwards(
     steps = step_functions(compiled)
     layout = StaticLayout(cache, batch_size, model.device, steps)
     with torch.no_grad():
-        for width in width_buckets(draft_schedule, compiled):
+        for width in width_buckets(draft_schedule):
             batch = {
                 name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
                 for name, value in PADDING.items()
@@ -3198,7 +3269,7 @@ def refusion_generate(
             cache = slot_cache(model, batch_size, columns)
             if settings.compile_config:
                 compiled = compiled_backbone(model, settings.compile_config, settings.compile_cache_dir)
-                buckets = width_buckets(settings.draft_schedule, compiled)
+                buckets = width_buckets(settings.draft_schedule)
         elif settings.use_cache:
             cache = DynamicCache()
         prices = None
