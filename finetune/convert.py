@@ -12,9 +12,7 @@ import argparse
 import copy
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from configuration_refusion import RefusionConfig
+from finetune.files import check_output_dir, staged_output
 from generation_refusion import (
     DECODING_FIELDS,
     DECODING_SETTINGS,
@@ -220,29 +219,22 @@ def save_refusion(
     tokenizer: PreTrainedTokenizerBase,
     output_dir: str | os.PathLike,
     format: str = "refusion",
+    *,
+    overwrite_output_dir: bool = False,
 ) -> Path:
-    """Write model (safetensors), configs, tokenizer and `custom_generate/` so that `output_dir` appears only when
-    complete. `format="refusion"`: our class (its code and `auto_map`; the hybrid loss for further training);
+    """Write model (safetensors), configs, tokenizer and `custom_generate/` into `output_dir`, a missing or empty
+    folder, or with `overwrite_output_dir=True` any folder: files of the same names are replaced (and the weight
+    files of an earlier save), every other file kept. The files are written into a hidden staging folder first and
+    moved in only when complete (`finetune.files.staged_output`), so a run stopped while writing leaves the folder
+    as it was. `format="refusion"`: our class (its code and `auto_map`; the hybrid loss for further training);
     `"native"`: the backbone's own class and `config.json`, which every engine that serves the backbone loads, and
     which decodes with ReFusion when loaded with `trust_remote_code=True`."""
     if format not in FORMATS:  # before any file is written
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
-    try:
+    with staged_output(output_dir, overwrite_output_dir) as staging:
         save_model(model, staging, format)
         tokenizer.save_pretrained(staging)
-        if output_dir.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-            os.replace(output_dir, retired / output_dir.name)
-            os.replace(staging, output_dir)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return output_dir
+    return Path(output_dir)
 
 
 def flag_type(setting: DecodingSetting):
@@ -263,6 +255,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model_name_or_path", required=True, help="Folder or Hub id of a causal LM.")
     parser.add_argument("--gguf_file", default=None, help="GGUF file inside --model_name_or_path to load.")
     parser.add_argument("--output_dir", required=True, help="Where to write the ReFusion model.")
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true",
+        help="Write into --output_dir even when it holds files: those of the model's names are replaced, others kept.",
+    )  # fmt: skip
     parser.add_argument(
         "--mask_token", default=None, help=f"Mask token (default: the tokenizer's, else {DEFAULT_MASK_TOKEN})."
     )
@@ -285,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = {name: getattr(args, name) for name in DECODING_FIELDS if hasattr(args, name)}
     try:
+        check_output_dir(args.output_dir, args.overwrite_output_dir)  # before minutes of loading and converting
         model, tokenizer = convert_to_refusion(
             args.model_name_or_path,
             mask_token=args.mask_token,
@@ -292,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             do_sample=args.do_sample,
             **overrides,
         )
-        output_dir = save_refusion(model, tokenizer, args.output_dir, args.format)
+        output_dir = save_refusion(
+            model, tokenizer, args.output_dir, args.format, overwrite_output_dir=args.overwrite_output_dir
+        )
     except (OSError, ValueError) as error:
         message = " ".join(str(error).split())
         print(f"finetune.convert: error: {message}", file=sys.stderr)

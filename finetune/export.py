@@ -1,8 +1,8 @@
 """The end of a `finetune.sft` run: the trained weights gathered and merged into one ReFusion model, written into
-`output_dir` with its card without ever leaving a half-written folder, and optionally pushed to the Hub."""
+`output_dir` with its card without ever leaving a half-written folder (`finetune.files.publish`: staged first, moved
+in file by file, `config.json` last, other files kept), and optionally pushed to the Hub."""
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -13,13 +13,12 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from trl import ModelConfig, ScriptArguments, SFTTrainer
 
 from finetune.convert import save_model
+from finetune.files import STAGING, discard_staging, publish
 from finetune.model_card import TrainingSummary, render_model_card
 from finetune.trainer import RefusionArguments, RefusionSFTConfig, RefusionSFTTrainer, load_model
 from modeling_refusion import RefusionForCausalLM
 
 logger = logging.getLogger("finetune.sft")
-
-STAGING = ".refusion-final"  # inside output_dir; hidden, so never mistaken for the model
 
 
 def is_sharded(trainer: SFTTrainer) -> bool:
@@ -57,17 +56,6 @@ def merged_model(
     full = RefusionForCausalLM.from_pretrained(staging / "full", dtype=model.dtype)
     shutil.rmtree(staging / "full")
     return full
-
-
-def publish(staging: Path, output_dir: Path) -> None:
-    """Move the staged files into `output_dir`, `config.json` last, so that the folder loads only once complete."""
-    (output_dir / "config.json").unlink(missing_ok=True)
-    for source in sorted(staging.iterdir(), key=lambda path: path.name == "config.json"):
-        target = output_dir / source.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(source, target)
-    staging.rmdir()
 
 
 def training_summary(
@@ -129,7 +117,7 @@ def save_outputs(
     output_dir = Path(training_args.output_dir)
     staging = output_dir / STAGING
     if trainer.accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard_staging(output_dir)  # what a run stopped while writing its final files left
         trainer.save_state()
     trainer.accelerator.wait_for_everyone()
     model = merged_model(trainer, staging, model_args, refusion_args)

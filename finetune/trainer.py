@@ -347,7 +347,11 @@ def load_model(
 
     if refusion_args.gguf_file is None and is_refusion_checkpoint(path, revision):
         model = RefusionForCausalLM.from_pretrained(path, **load_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+        # An explicit trust_remote_code: the config names our code, and without an answer transformers would ask [y/N]
+        # on a terminal (or wait 15 s on an open pipe) before loading this ordinary tokenizer.
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, revision=revision, trust_remote_code=bool(training_args.trust_remote_code)
+        )
         if refusion_args.mask_token not in (None, tokenizer.mask_token):
             raise UsageError(
                 f"{path} already uses the mask token {tokenizer.mask_token!r}; --mask_token cannot change it."

@@ -11,15 +11,26 @@ rerun skips the variants already there) and, as a table, to `<section>.md`.
 """
 
 import argparse
-import json
 import re
 import time
 from pathlib import Path
 
+from finetune.files import read_json
 from recipe.evaluate import Evaluation
 from recipe.model import load_base
 from recipe.report import cell, write_results
-from recipe.run import DATA_FILE, config_model, load_config, read_rows, stage_settings, train_adapter, write_rows
+from recipe.run import (
+    DATA_FILE,
+    INTEGER,
+    MAPPING,
+    check_keys,
+    config_model,
+    load_config,
+    read_rows,
+    stage_settings,
+    train_adapter,
+    write_rows,
+)
 
 
 def slug(name: str) -> str:
@@ -77,15 +88,24 @@ def ablate(config: dict, only: list[str] | None = None, section: str = "ablation
     results."""
     if section not in config:
         raise ValueError(f"The config has no {section!r} section.")
+    keys = {section: MAPPING, f"{section}.variants": MAPPING, f"{section}.sft": MAPPING}
+    keys |= {f"{section}.{name}": INTEGER for name in ("steps", "rows", "prompts")}
+    check_keys(config, keys, "the config", optional={f"{section}.sft"})
     settings = config[section]
     variants = settings["variants"]
+    for name, changes in variants.items():
+        if not isinstance(changes, dict):
+            raise ValueError(
+                f"the config: {section}.variants.{name} must be a mapping of sft settings, got {changes!r}."
+            )
     unknown = set(only or []) - set(variants)
     if unknown:
         raise ValueError(f"Unknown variants {sorted(unknown)}; the config has {list(variants)}.")
     output_dir, artifacts = Path(config["output_dir"]) / section, Path(config["artifacts_dir"])
     results_file = artifacts / f"{section}.json"
-    results = json.loads(results_file.read_text(encoding="utf-8")) if results_file.exists() else {}
-    results.setdefault("variants", {})
+    results = read_json(results_file, default={})  # a file that is not JSON raises, naming it
+    if not isinstance(results, dict) or not isinstance(results.setdefault("variants", {}), dict):
+        raise ValueError(f"{results_file} does not hold an ablation's results (an object with 'variants').")
     rows = read_rows(artifacts / DATA_FILE)[: settings["rows"]]
     if len(rows) < settings["rows"]:
         raise ValueError(f"{artifacts / DATA_FILE} holds {len(rows)} rows; run the recipe's first stage first.")

@@ -1,7 +1,8 @@
 """Self-distillation: the base model answers the training prompts with its own greedy decoding, in batches.
 
 The answers become fine-tuning rows in the ReFusion authors' format, `{"query": prompt, "response": answer}`,
-appended to a JSONL file one batch at a time, so an interrupted run resumes where it stopped.
+appended to a JSONL file one batch at a time, so an interrupted run resumes where it stopped (a row cut off by the
+interruption is cut away and its prompt answered again).
 """
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.chat import prompt_token_ids
+from finetune.files import drop_torn_line, read_jsonl
 from recipe.decoding import decode
 
 # A sentence's last character (not the dot of "3." in a numbered list) or a line break.
@@ -59,11 +61,10 @@ def distill(
     be malformed training rows).
     """
     output_file = Path(output_file)
-    done = set()
-    if output_file.exists():
-        done = {json.loads(line)["query"] for line in output_file.read_text(encoding="utf-8").splitlines() if line}
+    done = {row.get("query") for row in read_jsonl(output_file)}  # a bad line stops it, naming the file and line
     todo = [prompt for prompt in prompts if prompt not in done]
     output_file.parent.mkdir(parents=True, exist_ok=True)
+    drop_torn_line(output_file)  # a row cut off by a stopped run: its prompt is answered again below
     with output_file.open("a", encoding="utf-8") as sink:
         for chunk in batches(todo, batch_size):
             for prompt, (answer, finished) in zip(chunk, answer_batch(model, tokenizer, chunk, max_new_tokens)):
@@ -71,4 +72,4 @@ def distill(
                 if answer:
                     sink.write(json.dumps({"query": prompt, "response": answer}) + "\n")
             sink.flush()
-    return sum(1 for line in output_file.read_text(encoding="utf-8").splitlines() if line)
+    return len(read_jsonl(output_file))

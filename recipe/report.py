@@ -9,6 +9,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from finetune.files import write_text_atomically
+
 
 def cell(value: float | None, spec: str = ".2f") -> str:
     """A table cell: `value` formatted by `spec` (two decimals by default), or '-' where there is no figure (not
@@ -26,15 +28,15 @@ def write_results(
 ) -> list[Path]:
     """Write `table` to `<stem>.md` in `output_dir` (made when missing), `results` (when given) to `<stem>.json`,
     and `plot` (when given, called with the path) to `<plot_stem or stem>.png`; print and return the paths
-    written."""
+    written. A run stopped while writing leaves each file as it was (`finetune.files.write_text_atomically`)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if results is not None:
         written.append(output_dir / f"{stem}.json")
-        written[-1].write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        write_text_atomically(written[-1], json.dumps(results, indent=1) + "\n")
     written.append(output_dir / f"{stem}.md")
-    written[-1].write_text(table, encoding="utf-8")
+    write_text_atomically(written[-1], table)
     if plot is not None:
         written.append(output_dir / f"{plot_stem or stem}.png")
         plot(written[-1])

@@ -17,6 +17,7 @@ budget curve: the model scored on held-out prompts at the shipped decoding setti
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 import yaml
 
 from finetune import sft
+from finetune.files import read_json, read_jsonl, write_text_atomically
 from finetune.trainer import last_complete_checkpoint
 from recipe.distill import distill
 from recipe.evaluate import Evaluation
@@ -37,17 +39,109 @@ DATA_FILE = "distilled.jsonl"
 LOG_FILE = "training_log.json"
 
 
+# What the recipe reads of its config: each key (dotted; `stages[]` for every stage) with the types it may hold; those
+# in OPTIONAL_KEYS may be absent. Sections the recipe does not read (ablations, ...) are checked where they are read.
+MISSING = object()
+INTEGER, NUMBER, TEXT, MAPPING = (int,), (int, float), (str,), (dict,)
+CONFIG_KEYS = {
+    "model": MAPPING,
+    "model.path": (str, type(None)),
+    "model.gguf_file": (str, type(None)),
+    "output_dir": TEXT,
+    "artifacts_dir": TEXT,
+    "held_out_percent": NUMBER,
+    "distill": MAPPING,
+    "distill.batch_size": INTEGER,
+    "distill.max_new_tokens": INTEGER,
+    "sft": MAPPING,
+    "stages": (list,),
+    "stages[].name": TEXT,
+    "stages[].rows": INTEGER,
+    "evaluation": MAPPING,
+    "evaluation.prompts": INTEGER,
+    "evaluation.max_new_tokens": INTEGER,
+}
+OPTIONAL_KEYS = {"model.path", "model.gguf_file"}
+KIND = {
+    INTEGER: "an integer",
+    NUMBER: "a number",
+    TEXT: "a string",
+    MAPPING: "a mapping (key: value lines)",
+    (list,): "a list",
+    (str, type(None)): "a string or null",
+}
+
+
 def load_config(path: str | Path, overrides: list[str]) -> dict:
-    """The YAML config with `section.key=value` overrides (values parsed as YAML)."""
-    config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    """The YAML config with `section.key=value` overrides (values parsed as YAML), checked (`check_config`): a
+    missing file, bad YAML, a malformed override or a missing or mistyped key raises a `ValueError` naming it."""
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"Cannot read the recipe config {path}: {error.strerror}.") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a mapping of sections, not {type(config).__name__}.")
     for override in overrides:
-        dotted, _, value = override.partition("=")
+        dotted, equals, value = override.partition("=")
+        if not equals or not dotted:
+            raise ValueError(f"--set {override!r} must read SECTION.KEY=VALUE.")
         *sections, key = dotted.split(".")
         node = config
-        for section in sections:
+        for depth, section in enumerate(sections):
             node = node.setdefault(section, {})
-        node[key] = yaml.safe_load(value)
+            if not isinstance(node, dict):
+                where = ".".join(sections[: depth + 1])
+                raise ValueError(f"--set {override!r}: {where} in {path} is not a section but {node!r}.")
+        try:
+            node[key] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--set {override!r}: the value is not valid YAML ({error}).") from None
+    return check_config(config, path)
+
+
+def check_config(config: dict, source: str | Path) -> dict:
+    """`config` when it holds every key the recipe reads, each of its type (`CONFIG_KEYS`), and stages of distinct
+    names; else a `ValueError` naming the key and `source`."""
+    check_keys(config, CONFIG_KEYS, source, OPTIONAL_KEYS)
+    for index, stage in enumerate(config["stages"]):
+        if not isinstance(stage.get("sft", {}), dict):
+            raise ValueError(f"{source}: stages[{index}].sft must be {KIND[MAPPING]}, got {stage['sft']!r}.")
+    names = [stage["name"] for stage in config["stages"]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{source}: stage names must differ, got {names}.")
     return config
+
+
+def check_keys(config: dict, keys: dict[str, tuple], source: str | Path, optional: set[str] = frozenset()) -> None:
+    """Raise a `ValueError` naming `source` and the key when one of `keys` (dotted, `list[].key` for each item of a
+    list; with the types it may hold) is missing from `config` (unless `optional`) or of another type."""
+    for dotted, types in keys.items():
+        head, _, rest = dotted.partition("[].")
+        found = [(head, lookup(config, head))]
+        if rest:  # one key per stage
+            for index, item in enumerate(found[0][1]):
+                if not isinstance(item, dict):
+                    raise ValueError(f"{source}: {head}[{index}] must be {KIND[MAPPING]}, got {item!r}.")
+            found = [(f"{head}[{index}].{rest}", lookup(item, rest)) for index, item in enumerate(found[0][1])]
+        for name, value in found:
+            if value is MISSING:
+                if dotted not in optional:
+                    raise ValueError(f"{source}: the key {name} is missing.")
+            elif not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                kind = KIND[types]
+                raise ValueError(f"{source}: {name} must be {kind}, got {value!r}.")
+
+
+def lookup(node: object, dotted: str) -> object:
+    """The value at `dotted` ("section.key") in `node`, or `MISSING`."""
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return MISSING
+        node = node[key]
+    return node
 
 
 def sft_arguments(settings: dict, model: tuple[str, str | None], data: Path, output_dir: Path) -> list[str]:
@@ -74,13 +168,14 @@ def train_adapter(settings: dict, model: tuple[str, str | None], data: Path, out
 
 
 def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    """The distilled rows of a JSONL file (none when it does not exist), each a `{"query", "response"}` object; a
+    line that is not raises a `ValueError` naming the file and the line (a last line cut off by a stopped run is
+    dropped with a warning: `finetune.files.read_jsonl`)."""
+    return read_jsonl(path, required=("query", "response"))
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def config_model(config: dict) -> tuple[str, str | None]:
@@ -92,13 +187,14 @@ def read_log(artifacts: Path) -> dict:
     """The training log: `stages` (one record per stage trained so far) and, once measured, `untrained` (the
     converted model before any training: the budget curve's first point)."""
     path = artifacts / LOG_FILE
-    log = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    log.setdefault("stages", [])
+    log = read_json(path, default={})
+    if not isinstance(log, dict) or not isinstance(log.setdefault("stages", []), list):
+        raise ValueError(f"{path} is not a training log (an object whose 'stages' is a list).")
     return log
 
 
 def write_log(artifacts: Path, log: dict) -> None:
-    (artifacts / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+    write_text_atomically(artifacts / LOG_FILE, json.dumps(log, indent=1) + "\n")
 
 
 def stage_settings(config: dict, stage: dict) -> dict:
@@ -157,7 +253,9 @@ def run_stage(config: dict, stage: dict, log: dict, evaluate: bool = True) -> di
 
     (artifacts / "adapter").mkdir(exist_ok=True)
     for name in ADAPTER_FILES:  # not PEFT's blank card, the tokenizer (the base one + [MASK]), the pickled args
-        shutil.copy2(trained / "adapter" / name, artifacts / "adapter" / name)
+        partial = artifacts / "adapter" / f".{name}.partial"  # a stopped copy never leaves a torn adapter
+        shutil.copy2(trained / "adapter" / name, partial)
+        os.replace(partial, artifacts / "adapter" / name)
     record = {
         "stage": stage["name"],
         "continues": stages_done[-1]["stage"] if stages_done else None,
@@ -178,7 +276,7 @@ def run_stage(config: dict, stage: dict, log: dict, evaluate: bool = True) -> di
         ]
     log["stages"] = [*stages_done, record]
     write_log(artifacts, log)
-    (artifacts / "recipe.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    write_text_atomically(artifacts / "recipe.yaml", yaml.safe_dump(config, sort_keys=False))
     return record
 
 
@@ -251,11 +349,14 @@ def main(argv: list[str] | None = None) -> None:
         help="train nothing; measure the budget-curve points the log lacks (untrained, last stage)",
     )
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.set)
-    if args.evaluate_missing:
-        evaluate_missing(config)
-    else:
-        run(config, args.stage, not args.no_eval)
+    try:
+        config = load_config(args.config, args.set)
+        if args.evaluate_missing:
+            evaluate_missing(config)
+        else:
+            run(config, args.stage, not args.no_eval)
+    except ValueError as error:  # a bad config, data file or log: one line naming it
+        parser.exit(1, f"recipe.run: error: {' '.join(str(error).split())}\n")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,11 @@ PROMPTS = [  # from the recipe's held-out split: never trained on
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapter", default=str(SHIPPED_ADAPTER))
-    parser.add_argument("--output_dir", default="outputs/refusion-smollm2")
+    parser.add_argument(
+        "--output_dir",
+        default="outputs/refusion-smollm2",
+        help="where the model is saved, as save_pretrained does: its files are replaced each run, others kept",
+    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 where native, else float32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -74,7 +78,8 @@ def main() -> None:
     ar_models = {dtype: base.to(args.device, dtype), **ar_models}
     model = model.to(args.device, dtype)
     print(f"[adapter] converted to ReFusion with {args.adapter} merged ({time.perf_counter() - start:.1f} s)")
-    output_dir = save_refusion(model, refusion_tokenizer, args.output_dir)
+    # the demo's own folder, rewritten each run: the model's files are replaced, any other file is kept
+    output_dir = save_refusion(model, refusion_tokenizer, args.output_dir, overwrite_output_dir=True)
     del model
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True, dtype="auto").to(args.device)

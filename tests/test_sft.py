@@ -25,13 +25,14 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import AutoModelForCausalLM
+from trl import ModelConfig
 
 from finetune.convert import convert_to_refusion, save_refusion
 from finetune.data import load_rows, prepare_dataset
 from finetune.export import STAGING, publish
 from finetune.hybrid import HybridObjectiveCollator
 from finetune.sft import main, make_parser
-from finetune.trainer import RefusionSFTConfig
+from finetune.trainer import RefusionArguments, RefusionSFTConfig, load_model
 from modeling_refusion import RefusionForCausalLM
 from recipe.run import sft_arguments
 
@@ -408,7 +409,7 @@ def test_an_interrupted_final_write_never_leaves_a_folder_that_looks_complete(tm
         moves.append(Path(target).name)
         os.rename(source, target)
 
-    monkeypatch.setattr("finetune.export.os.replace", interrupted_replace)
+    monkeypatch.setattr("finetune.files.os.replace", interrupted_replace)
     with pytest.raises(KeyboardInterrupt):
         publish(staging, output_dir)
     assert moves and "config.json" not in moves
@@ -424,6 +425,56 @@ def test_an_interrupted_final_write_never_leaves_a_folder_that_looks_complete(tm
         "model.safetensors",
         "tokenizer.json",
     ]
+
+
+def test_the_final_write_keeps_the_users_files_and_clears_an_earlier_saves_weight_shards(tmp_path, monkeypatch):
+    base_dir = save_base(tmp_path / "base", "llama")
+    data = write_data(tmp_path / "data", "query_response", "jsonl")
+    output_dir = tmp_path / "out"
+    earlier, tokenizer = converted_base(base_dir)
+    earlier.save_pretrained(output_dir, max_shard_size="50KB")  # a model saved here before, in shards
+    tokenizer.save_pretrained(output_dir)
+    shards = [path.name for path in output_dir.glob("model-*-of-*.safetensors")]
+    mine = {"notes.txt": "mine", "custom_generate/mine.py": "# mine", "adapter/notes.txt": "mine too"}
+    for name, text in mine.items():
+        (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / name).write_text(text)
+    common = [
+        "--model_name_or_path", base_dir, "--dataset_name", data, "--output_dir", output_dir, "--use_peft",
+        "--max_steps", 1, "--per_device_train_batch_size", 4, "--save_strategy", "no",
+    ]  # fmt: skip
+
+    # Stopped once every final file is staged, before any moved in: the earlier model and the user's files stand.
+    def stopped(staging, output_dir):
+        assert (staging / "model.safetensors").is_file() and (staging / "adapter").is_dir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("finetune.export.publish", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(*common)
+    monkeypatch.undo()
+    reloaded = RefusionForCausalLM.from_pretrained(output_dir)
+    assert all(torch.equal(value, earlier.state_dict()[name]) for name, value in reloaded.state_dict().items())
+    assert {name: (output_dir / name).read_text() for name in mine} == mine
+
+    assert run_cli(*common) == 0
+    assert {name: (output_dir / name).read_text() for name in mine} == mine
+    assert not any((output_dir / name).exists() for name in [*shards, "model.safetensors.index.json", STAGING])
+    assert all((output_dir / name).is_file() for name in REQUIRED_OUTPUTS)
+    assert (output_dir / "adapter" / "adapter_model.safetensors").is_file()
+    RefusionForCausalLM.from_pretrained(output_dir)
+
+
+def test_a_refusion_checkpoints_tokenizer_loads_without_a_question(tmp_path, monkeypatch):
+    refusion, tokenizer = converted_base(save_base(tmp_path / "base", "llama"))
+    start = save_refusion(refusion, tokenizer, tmp_path / "refusion-start")  # its config.json names custom code
+    questions = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": questions.append(prompt) or "n")
+    model_args = ModelConfig(model_name_or_path=str(start))
+    training_args = RefusionSFTConfig(output_dir=str(tmp_path / "out"))
+    model, loaded = load_model(model_args, RefusionArguments(), training_args)
+    assert questions == []
+    assert (loaded.mask_token, model.config.mask_token_id) == (tokenizer.mask_token, refusion.config.mask_token_id)
 
 
 # ---------------------------------------------------------------------------------------------------------------
