@@ -39,6 +39,7 @@ token: `model.generate(input_ids, custom_generate="<folder or Hub repo>", trust_
 """
 
 import array
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -52,6 +53,7 @@ import re
 import shutil
 import tempfile
 import textwrap
+import threading
 import time
 import zipfile
 from collections.abc import Callable
@@ -141,6 +143,9 @@ SHAPES_REMEMBERED = 1024  # a `SavedStep`'s runners by exact input shapes (the t
 # Where a saved forward is compiled two ways and the faster kept (`SavedForwards`), each runs this many times in turn
 # on the forward's own inputs, the first of each untimed.
 PACKAGE_RACE_ROUNDS = 6
+# A package's partial file (`load_or_build_package`) this many seconds old was left by a build that was killed: a live
+# build renames its partial within minutes (the longest wait: a rival compiled beside it, `SavedForwards.keep_faster`).
+PARTIAL_STALE = 3600.0
 # Inductor's CPU kernels split a loop among the threads once each thread would get `cpp.min_chunk_size` elements
 # (512 by default). A decoding forward's element-wise kernels (norms, RoPE, activations, the queries stacked for
 # attention) over 2-8 new tokens hold a few thousand elements, for which starting and joining the threads costs more
@@ -429,6 +434,7 @@ DecodingSettings = make_dataclass(
         ("compile_config", CompileConfig | None),  # compiled forwards over the static cache when set
         ("forward_prices", dict | None),  # `draft_schedule="price"`: the caller's {width: price}, checked
         ("compile_cache_dir", str | None),  # compiled forwards kept there as AOTInductor packages (`SavedForwards`)
+        ("max_cache_len", int | None),  # the static cache's least number of columns
     ],
     frozen=True,
 )
@@ -455,6 +461,7 @@ def resolve_settings(
         if value not in neutral:
             hint = f" ({REFUSED_HINTS[name]})" if name in REFUSED_HINTS else ""
             raise ValueError(f"ReFusion slot decoding cannot apply the generation option {name}={value!r}{hint}.")
+    check_token_options(config, model.get_input_embeddings().num_embeddings)
     decoding = check_decoding(passed, configured)
     if forward_prices is not None:
         forward_prices = check_forward_prices(forward_prices)
@@ -476,10 +483,7 @@ def resolve_settings(
             )
         compile_cache_dir = str(compile_cache_dir)
 
-    mask_token_id = kwargs.get("mask_token_id", getattr(config, "mask_token_id", None))
-    mask_token_id = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
-    if mask_token_id is None:
-        raise ValueError("The model has no mask_token_id; convert it with finetune.convert first.")
+    mask_token_id = checked_mask_token_id(model, config, kwargs)
     eos = config.eos_token_id
     eos_token_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_token_ids or (None,))[0]
@@ -488,6 +492,10 @@ def resolve_settings(
     if mask_token_id in eos_token_ids or mask_token_id == pad_token_id:
         raise ValueError(f"The mask token id {mask_token_id} must differ from the EOS and pad token ids.")
 
+    for name in ("max_new_tokens", "max_length"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be a whole number of tokens, got {value!r}.")
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (config.max_length if config.max_length is not None else 20) - prompt_length
@@ -503,6 +511,10 @@ def resolve_settings(
         raise ValueError(f"top_p must lie in (0, 1], got {config.top_p}.")
     if config.top_k is not None and config.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {config.top_k}.")
+    # A slot longer than the answer would draft and check tokens past its end: slots (and blocks) are cut to it.
+    slot_size = decoding["slot_size"] = min(decoding["slot_size"], max_new_tokens)
+    decoding["block_length"] = min(decoding["block_length"], -(-max_new_tokens // slot_size) * slot_size)
+    max_cache_len = checked_max_cache_len(config, cache_implementation)
     settings = DecodingSettings(
         **decoding,
         max_new_tokens=int(max_new_tokens),
@@ -515,8 +527,66 @@ def resolve_settings(
         compile_config=compile_config,
         forward_prices=forward_prices,
         compile_cache_dir=compile_cache_dir,
+        max_cache_len=max_cache_len,
     )
     return settings, config
+
+
+TOKEN_OPTIONS = ("eos_token_id", "pad_token_id", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+                 "begin_suppress_tokens")  # fmt: skip
+
+
+def check_token_options(config: GenerationConfig, vocabulary: int) -> None:
+    """Refuse, naming it, a generation option that holds token ids (`TOKEN_OPTIONS`) outside `[0, vocabulary)`, and a
+    `num_return_sequences` that is not a positive whole number: transformers' processors would fail inside torch or
+    write ids no tokenizer decodes."""
+    for name in TOKEN_OPTIONS:
+        value = getattr(config, name, None)
+        ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(id_, bool) or not isinstance(id_, int) or not 0 <= id_ < vocabulary for id_ in ids):
+            raise ValueError(f"{name} must hold token ids in [0, {vocabulary}), got {value!r}.")
+    count = config.num_return_sequences
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"num_return_sequences must be a positive whole number, got {count!r}.")
+
+
+def checked_mask_token_id(model, config: GenerationConfig, kwargs: dict) -> int:
+    """The mask token id a decode uses: the one passed, else the generation config's, else the model config's. One
+    that disagrees with the model config's, or lies outside the embeddings, is refused: the model was trained to
+    draft at its own mask token, and another token's drafts are garbage."""
+    trained = getattr(model.config, "mask_token_id", None)
+    named = ("passed", kwargs.get("mask_token_id")), ("generation config's", getattr(config, "mask_token_id", None))
+    where, given = next(((where, value) for where, value in named if value is not None), ("model config's", trained))
+    if given is None:
+        raise ValueError("The model has no mask_token_id; convert it with finetune.convert first.")
+    if trained is not None and given != trained:
+        raise ValueError(
+            f"The {where} mask_token_id ({given!r}) differs from the model config's ({trained}), the token the model "
+            "drafts at: drop it, or fix the one that is wrong."
+        )
+    rows = model.get_input_embeddings().num_embeddings
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < rows:
+        raise ValueError(f"mask_token_id must be a token id in [0, {rows}), got {given!r}.")
+    return given
+
+
+def checked_max_cache_len(config: GenerationConfig, cache_implementation: str) -> int | None:
+    """The generation config's `max_cache_len` (as transformers reads it: the static cache holds at least this many
+    columns, so that later and longer decodes reuse it), checked. Options of a cache ReFusion does not build are
+    refused rather than ignored."""
+    if getattr(config, "cache_config", None):
+        raise ValueError(
+            f"cache_config={config.cache_config!r} configures a cache ReFusion does not build; its static cache takes "
+            "max_cache_len only."
+        )
+    max_cache_len = getattr(config, "max_cache_len", None)
+    if max_cache_len is None:
+        return None
+    if cache_implementation != "static" or config.use_cache is False:
+        raise ValueError(f"max_cache_len={max_cache_len!r} sizes the static cache: pass cache_implementation='static'.")
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be a positive whole number of tokens, got {max_cache_len!r}.")
+    return max_cache_len
 
 
 def compile_config_for(model, config: GenerationConfig, cache_implementation: str) -> CompileConfig | None:
@@ -977,7 +1047,7 @@ def best_window(price, rate: float, widths: list[int], free: float = 0.0) -> int
 
 def check_forward_prices(table) -> dict[int, float]:
     """`forward_prices` as `{width: price}`, sorted by width and checked: positive integer widths (a JSON file's
-    digit strings too) to positive finite prices (seconds, or any unit they all share)."""
+    digit strings too) to positive finite prices (seconds, or any unit they all share); anything else a ValueError."""
 
     def refuse(problem: str):
         raise ValueError(
@@ -989,12 +1059,16 @@ def check_forward_prices(table) -> dict[int, float]:
         refuse(f"got {table!r}")
     checked = {}
     for key, price in table.items():
-        digits = isinstance(key, str) and key.isdigit()
+        digits = isinstance(key, str) and key.isascii() and key.isdecimal()
         if not (digits or isinstance(key, int) and not isinstance(key, bool)) or int(key) < 1:
             refuse(f"width {key!r} is not a positive integer")
-        if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 < price < math.inf:
+        try:
+            value = float(price) if isinstance(price, (int, float)) and not isinstance(price, bool) else math.nan
+        except OverflowError:  # (an integer past every float)
+            value = math.inf
+        if not 0 < value < math.inf:
             refuse(f"the price of width {key!r} ({price!r}) is not a positive finite number")
-        checked[int(key)] = float(price)
+        checked[int(key)] = value
     return dict(sorted(checked.items()))
 
 
@@ -2073,6 +2147,7 @@ class SlotCache(Cache):
         self.max_cache_len = self.window = max_cache_len  # window: the columns a forward attends over (`key_window`)
         self.columns = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)
         self.rows = torch.arange(batch_size, device=model.device)[:, None]  # each row's index, against its columns
+        self.lock = threading.Lock()  # held by the decode using the cache (`claimed`)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # An indexed assignment, which inductor writes in place into the cache tensors; `scatter_` there became a copy
@@ -2084,6 +2159,20 @@ class SlotCache(Cache):
         if self.window < self.max_cache_len:
             return layer.keys[:, :, : self.window], layer.values[:, :, : self.window]
         return layer.keys, layer.values
+
+    @contextlib.contextmanager
+    def claimed(self):
+        """Hold the cache for one decode: a model keeps its compiled decodes' cache, and two threads decoding with it
+        at once would overwrite each other's keys and values."""
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError(
+                "This model is already decoding over its static cache in another thread: decode from one thread at a "
+                "time, give each thread a model of its own, or use cache_implementation='dynamic'."
+            )
+        try:
+            yield self
+        finally:
+            self.lock.release()
 
     def fits(self, model, batch_size: int, max_cache_len: int) -> bool:
         """Whether this cache serves a decode of `batch_size` rows needing `max_cache_len` columns on `model`."""
@@ -2115,10 +2204,14 @@ def key_window(needed: int, width: int, max_cache_len: int) -> int:
     return next(window for window in key_windows(max_cache_len) if window >= min(needed, max_cache_len))
 
 
-def slot_cache(model, batch_size: int, needed: int) -> SlotCache:
-    """A static cache of at least `needed` columns (rounded up to `CACHE_LENGTH_MULTIPLE`), the model's last one when
-    it fits: compiled forwards then see the same cache tensors from one `generate()` call to the next."""
+def slot_cache(model, batch_size: int, needed: int, keep: bool = True) -> SlotCache:
+    """A static cache of at least `needed` columns (rounded up to `CACHE_LENGTH_MULTIPLE`). With `keep`, the model's
+    kept one when it fits, else a new one kept in its place (`model._refusion_slot_cache`): compiled forwards then see
+    the same cache tensors from one `generate()` call to the next. The kept cache is the size of the longest decode
+    since; `del model._refusion_slot_cache` frees it. Without `keep`, a new cache for the caller alone."""
     length = cache_length(needed)
+    if not keep:
+        return SlotCache(model, batch_size, length)
     cache = getattr(model, "_refusion_slot_cache", None)
     if cache is None or not cache.fits(model, batch_size, length):
         cache = SlotCache(model, batch_size, length)
@@ -2260,9 +2353,11 @@ class SavedForwards:
     (for SmolLM2 with frozen weights on an AVX2 CPU, about 24 s a width even with inductor's disk cache warm). The key
     (`saved_forward_key`) covers what a package depends on: the weights' contents (a package holds them, frozen or
     not), the model's class, config, dtype and device, the compile config, this file's source and the versions of
-    torch and transformers. A package that does not load (damaged, or built elsewhere) is compiled again, with a
-    warning. Packages are written whole (to a partial file, then renamed), so processes may share a folder. Called as
-    the compiled backbone is (`run_model`); CUDA graphs (`mode="reduce-overhead"`) do not apply to packages.
+    torch and transformers. A package is checked against the digest kept beside it before it loads, and one that fails
+    (damaged, another key's, or without a digest) or does not load (built elsewhere) is compiled again, with a warning
+    (`load_or_build_package`). Packages are written whole (to a partial file, then renamed), so processes may share a
+    folder. Called as the compiled backbone is (`run_model`); CUDA graphs (`mode="reduce-overhead"`) do not apply to
+    packages.
 
     On a CPU without oneDNN's bfloat16 kernels (AVX2), autotuned forwards with frozen weights take their matrix
     products from inductor's C++ template alone (`max_autotune_gemm_backends="CPP"`, unless the compile config names
@@ -2361,10 +2456,13 @@ class SavedForwards:
     def __deepcopy__(self, memo):
         return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
 
+    def key(self, shape: tuple[int, int, int, int]) -> str:
+        """What the package of forwards of `shape` (batch size, width, cache length, key window) is built for."""
+        return f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}, window {shape[3]}"
+
     def path(self, shape: tuple[int, int, int, int]) -> Path:
         """Where the package of forwards of `shape` (batch size, width, cache length, key window) is kept."""
-        key = f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}, window {shape[3]}"
-        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
+        return self.folder / f"{hashlib.sha256(self.key(shape).encode()).hexdigest()[:32]}.pt2"
 
     @property
     def shares_weights(self) -> bool:
@@ -2391,7 +2489,7 @@ class SavedForwards:
 
         flat = [*inputs[:4], *inputs[4], *inputs[5]]
         load = functools.partial(self.weights.load, inputs=flat) if shared else load_package
-        return load_or_build_package(self.path(shape), build, "forward", load)
+        return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load)
 
     def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
         """Compile the forward `exported` again with `rival_attempts` beside the package at `package_path` and leave
@@ -2513,8 +2611,9 @@ class SavedStep:
             configs = cpu_kernel_configs(examples[0].device, {})
             torch._inductor.aoti_compile_and_package(exported, package_path=package_path, inductor_configs=configs)
 
-        path = self.folder / f"step-{hashlib.sha256(self.key(signature, constants).encode()).hexdigest()[:32]}.pt2"
-        return load_or_build_package(path, build, "step")
+        key = self.key(signature, constants)
+        path = self.folder / f"step-{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
+        return load_or_build_package(path, key, build, "step")
 
 
 def load_package(path: Path):
@@ -2522,28 +2621,122 @@ def load_package(path: Path):
     return torch._inductor.aoti_load_package(str(path)).loader
 
 
-def load_or_build_package(path: Path, build: Callable[[str], None], what: str, load: Callable = load_package):
-    """The runner of the AOTInductor package kept at `path`, loaded by `load`. Where there is none, or it does not
-    load (damaged, or built elsewhere: then with a warning naming the saved `what`), `build(package_path)` compiles it
-    first, into a partial file that is then renamed to `path`, so that a package is seen whole or not at all and
-    processes may share a folder. It is built without autograd whatever the caller's grad mode: exported with grad
-    enabled, the weights stay the graph's parameters and inductor's freezing leaves them out (a slower package, then
-    kept under the same key for every later process)."""
+def load_or_build_package(
+    path: Path, key: str, build: Callable[[str], None], what: str, load: Callable = load_package
+):
+    """The runner of the AOTInductor package kept at `path` for `key`, loaded by `load`. Before it loads, a package
+    is checked against the digest kept beside it (`package_problem`): loaded unchecked, one with damaged bytes decoded
+    wrong tokens without a word or crashed the process inside torch, and another key's package under its name failed
+    inside its C++ runner. Where there is no package, or it fails the check or does not load (built elsewhere; these
+    two with a warning naming the saved `what`), `build(package_path)` compiles it into a partial file that is then
+    renamed to `path`, and its digest is written beside it (`write_package_digest`): a package is seen whole or not at
+    all, so processes may share a folder. A build killed on the way leaves the folder as it was but for a partial
+    file that nothing loads, removed once `PARTIAL_STALE` old (`remove_stale_partials`: on a process's first package
+    in the folder, and before each build). It is built without autograd whatever the caller's grad mode: exported with
+    grad enabled, the weights stay the graph's parameters and inductor's freezing leaves them out (a slower package,
+    then kept under the same key for every later process)."""
+    if path.parent not in SWEPT_FOLDERS:
+        SWEPT_FOLDERS.add(path.parent)
+        remove_stale_partials(path.parent)
     if path.exists():
-        try:
-            return load(path)
-        except Exception as error:  # any failure to load means: compile it again
-            logger.warning(f"The saved {what} {path} did not load ({type(error).__name__}: {error}); compiling it "
-                           "again.")  # fmt: skip
+        problem = package_problem(path, key)
+        if problem is not None:
+            logger.warning(f"The saved {what} {path} {problem}; compiling it again.")
+        else:
+            try:
+                return load(path)
+            except Exception as error:  # any failure to load means: compile it again
+                logger.warning(f"The saved {what} {path} did not load ({type(error).__name__}: {error}); compiling "
+                               "it again.")  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path.parent)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
         with torch.no_grad():
             build(str(partial))
+        digest = file_digest(partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    write_package_digest(path, key, digest)
     return load(path)
+
+
+SWEPT_FOLDERS: set[Path] = set()  # the folders of packages whose stale partial files this process has removed
+# the partial files of a package, of the rival compiled beside it (`SavedForwards.keep_faster`) and of a digest
+PARTIAL_NAME = re.compile(r".+\.\d+\.partial(\.rival)?\.pt2|.+\.pt2\.digest\.\d+\.partial")
+
+
+def remove_stale_partials(folder: Path) -> None:
+    """Remove the partial files of packages and digests in `folder` (`PARTIAL_NAME`) at least `PARTIAL_STALE` old:
+    left by builds that were killed. Younger ones may be a live build's, in this process or another."""
+    try:
+        names = os.listdir(folder)
+    except OSError:  # (no folder yet)
+        return
+    now = time.time()
+    for name in filter(PARTIAL_NAME.fullmatch, names):
+        try:
+            if now - (folder / name).stat().st_mtime >= PARTIAL_STALE:
+                (folder / name).unlink()
+        except OSError:  # (removed meanwhile by another process)
+            continue
+
+
+def digest_path(path: Path) -> Path:
+    """Where the digest of the package at `path` is kept: beside it, as `<name>.digest`."""
+    return path.with_name(f"{path.name}.digest")
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of the bytes of the file at `path` (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def package_problem(path: Path, key: str) -> str | None:
+    """What is wrong with the package at `path` as the one built for `key`, or None where nothing is: the digest kept
+    beside it (`digest_path`, JSON: the key and the sha256 of its bytes) is missing or unreadable, names another key
+    (another package put under this name: files swapped or copied), or another sha256 than the file's (damaged since).
+    Checked once, as the package loads (a loaded runner is kept), by hashing the whole file. The digest is read after
+    the file, so that a package another process has just built again here is judged with its own."""
+    record_path = digest_path(path)
+    try:
+        digest = file_digest(path)
+    except OSError as error:
+        return f"could not be read ({error})"
+    try:
+        record = json.loads(record_path.read_text())
+    except FileNotFoundError:
+        return f"has no digest beside it ({record_path.name})"
+    except (OSError, ValueError) as error:
+        return f"has an unreadable digest {record_path.name} ({type(error).__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        return f"has an unreadable digest {record_path.name} (no key)"
+    if record["key"] != key:
+        return f"was built for another key than its name's (per {record_path.name}: another package put in its place)"
+    if record.get("sha256") != digest:
+        return f"does not match its digest {record_path.name} (its bytes changed since it was written)"
+    return None
+
+
+def write_package_digest(path: Path, key: str, digest: str) -> None:
+    """Keep beside the package at `path` (`digest_path`) the `key` it was built for and the sha256 of its bytes
+    (`digest`), written whole (a partial file, then renamed). Where it cannot be, a warning: the next process to load
+    the package compiles it again."""
+    record = digest_path(path)
+    partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps({"key": key, "sha256": digest}))
+        os.replace(partial, record)
+    except OSError as error:
+        logger.warning(f"The digest of the saved package {path} could not be written to {record} ({error}); the "
+                       "next process will compile the package again.")  # fmt: skip
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 class SharedWeights:
@@ -2908,6 +3101,36 @@ def stopping_criteria_for(config: GenerationConfig, stopping_criteria, tokenizer
     return criteria
 
 
+def checked_input_ids(input_ids, vocabulary: int) -> torch.LongTensor:
+    """`input_ids` as a long tensor, refused with a `ValueError` naming it unless it is a non-empty `(batch, length)`
+    tensor of integer token ids in `[0, vocabulary)` (else the embedding lookup fails inside torch)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a tensor of token ids, (batch, length), got {type(input_ids).__name__}.")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be non-empty and 2D, (batch, length), got shape {tuple(input_ids.shape)}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+    low, high = torch.aminmax(input_ids)
+    if low < 0 or high >= vocabulary:
+        wrong = int(low) if low < 0 else int(high)
+        raise ValueError(f"input_ids holds the token id {wrong}, outside the model's vocabulary [0, {vocabulary}).")
+    return input_ids.long()
+
+
+def inferred_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None, eos_token_ids: tuple) -> torch.Tensor:
+    """The attention mask of a call that passes none, by transformers' rule: the pad token's positions are padding
+    when the prompts hold it and it is not an EOS token; otherwise every position is prompt (with a warning for a
+    batch, whose padding cannot then be told apart)."""
+    if pad_token_id is not None and pad_token_id not in eos_token_ids and (input_ids == pad_token_id).any():
+        return input_ids.ne(pad_token_id).long()
+    if input_ids.shape[0] > 1 and pad_token_id in eos_token_ids:
+        logger.warning_once(
+            "A batch was passed without attention_mask, and its padding cannot be inferred: the pad token is an EOS "
+            "token. Every position is read as prompt; pass attention_mask for left-padded prompts."
+        )
+    return torch.ones_like(input_ids)
+
+
 def static_cache_columns(prompt_length: int, max_new_tokens: int, slot_size: int, block_length: int) -> int:
     """Columns a static cache needs for prompts of up to `prompt_length` tokens: each row stores its prompt and
     answer (whole slots) once, and a forward's new tokens (the prompt and a block's plan at first, then at most a
@@ -3132,13 +3355,71 @@ def price_file() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "refusion" / "forward_prices.json"
 
 
-def read_price_file(path: Path | None) -> dict:
-    """The tables kept in `path` (none when it is missing or unreadable: they are measured again)."""
-    try:
-        stored = json.loads(path.read_text()) if path is not None and path.exists() else {}
-    except (OSError, ValueError):
+PRICE_FILE_WARNED: set[tuple[str, str]] = set()  # (price file, kind of problem) warned of in this process
+
+
+def warn_price_file(path: Path, kind: str, message: str) -> None:
+    """Log `message` (one line naming the price file `path`), once a process for each `kind` of problem with it."""
+    if (str(path), kind) not in PRICE_FILE_WARNED:
+        PRICE_FILE_WARNED.add((str(path), kind))
+        logger.warning(message)
+
+
+def read_price_file(path: Path | None) -> dict | None:
+    """The tables kept in `path` that pass `check_forward_prices`, by key; none where there is no file. Problems warn
+    once a process, naming the file: a table that fails the check is left out alone (the others stay, and the file
+    keeps them when it is next written); a file that is not a JSON object (damaged) is moved aside first, never
+    overwritten (`move_aside_price_file`), so that its tables are measured again and kept in a new one. None where the
+    file cannot be read (a folder, no permission) or moved aside: it is left as it is (`keep_prices` writes nothing
+    over it), and prices are measured in each process."""
+    if path is None:
         return {}
-    return stored if isinstance(stored, dict) else {}
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # (no such file)
+        return {}
+    except OSError as error:
+        warn_price_file(path, "unreadable", f"The forward price file {path} could not be read ({error}); prices are "
+                        "measured again in each process and kept nowhere.")  # fmt: skip
+        return None
+    try:
+        stored = json.loads(data)
+        if not isinstance(stored, dict):
+            raise ValueError(f"a JSON {type(stored).__name__}, not an object of tables")
+    except ValueError as error:  # (bytes that are not UTF-8 too)
+        return move_aside_price_file(path, f"{type(error).__name__}: {error}")
+    tables, damaged = {}, []
+    for key, table in stored.items():
+        try:
+            tables[key] = check_forward_prices(table)
+        except ValueError:
+            damaged.append(key)
+    if damaged:
+        warn_price_file(path, "tables", f"The forward price file {path} holds {len(damaged)} damaged table(s) (not "
+                        f"positive finite prices by width; the first for {damaged[0][:60]!r}...): they are dropped, "
+                        f"the {len(tables)} others kept.")  # fmt: skip
+    return tables
+
+
+def move_aside_price_file(path: Path, problem: str) -> dict | None:
+    """Move the price file `path` that does not parse (`problem`: why) aside, with a warning: its target (through a
+    symbolic link) renamed to `<name>.corrupt`, or `<name>.corrupt.<n>` where that is taken, so that nothing a user
+    may want to read is overwritten. No tables: {} where it was moved (a new file is written in its place), None where
+    it could not be (it stays, and nothing is written over it)."""
+    target = path.resolve()
+    aside, number = target.with_name(f"{target.name}.corrupt"), 0
+    while aside.exists() or aside.is_symlink():
+        number += 1
+        aside = target.with_name(f"{target.name}.corrupt.{number}")
+    try:
+        os.rename(target, aside)
+    except OSError as error:
+        warn_price_file(path, "corrupt", f"The forward price file {path} is damaged ({problem}) and could not be "
+                        f"moved aside ({error}); it is left as it is, and prices are kept nowhere.")  # fmt: skip
+        return None
+    warn_price_file(path, f"moved to {aside}", f"The forward price file {path} is damaged ({problem}): moved to "
+                    f"{aside}; its prices are measured again and kept in a new file.")  # fmt: skip
+    return {}
 
 
 def measured_prices(
@@ -3155,7 +3436,7 @@ def measured_prices(
     if key not in known:
         measured_here = model.__dict__.setdefault("_refusion_prices_measured", set())  # the keys measured now
         try:
-            known[key] = check_forward_prices(read_price_file(price_file()).get(key))
+            known[key] = check_forward_prices((read_price_file(price_file()) or {}).get(key))
             measured_here.discard(key)
         except ValueError:  # not kept, or damaged
             known[key] = measure_forward_prices(model, cache, compiled, buckets=buckets, prompt_width=prompt_width)
@@ -3165,19 +3446,34 @@ def measured_prices(
 
 
 def keep_prices(key: str, table: dict[int, float] | None) -> None:
-    """Write `table` as the one kept for `key` in `price_file()` (None: drop it), warning where it cannot be."""
+    """Write `table` as the one kept for `key` in `price_file()` (None: drop it), beside the file's other valid
+    tables (`read_price_file`; nothing where it cannot be read). Written whole, a partial file renamed over the file
+    (removed on any failure, so none is left behind), through a symbolic link to its target, with the file's
+    permissions. A file that cannot be written warns once a process."""
     path = price_file()
     if path is None:
         return
-    tables = {name: kept for name, kept in read_price_file(path).items() if name != key}
+    tables = read_price_file(path)
+    if tables is None:  # (warned: a file that cannot be read is not written over)
+        return
+    tables.pop(key, None)
+    if table is not None:
+        tables[key] = table
+    partial = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(tables if table is None else {**tables, key: table}, indent=1))
-        os.replace(partial, path)
-    except OSError as error:
-        logger.warning(f"Measured forward prices could not be kept in {path} ({error}); set "
-                       f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
+        target = path.resolve()  # (through a symbolic link, to the file it names)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(tables, indent=1, allow_nan=False))
+        if target.exists():
+            shutil.copymode(target, partial)
+        os.replace(partial, target)
+    except (OSError, RuntimeError, ValueError) as error:  # (RuntimeError: a loop of links; ValueError: not finite)
+        warn_price_file(path, "unwritable", f"Measured forward prices could not be kept in {path} ({error}); set "
+                        f"{PRICE_CACHE_VARIABLE} to a writable file, or to '' to keep none.")  # fmt: skip
+    finally:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
 
 
 def forget_stale_prices(model, prices: ForwardPrices | None) -> None:
@@ -3225,11 +3521,10 @@ def refusion_generate(
     each row recomputed from scratch at every forward (`use_cache=False`, the reference). `streamer` receives, and
     `stopping_criteria`, `stop_strings` and `max_time` act on, the in-order prefix of each answer; the generation
     config's logits processors (and `logits_processor`) shape every draft and every check."""
-    if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError("generate() needs a non-empty 2D input_ids prompt of shape (batch, length).")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
+    input_ids = checked_input_ids(input_ids, model.get_input_embeddings().num_embeddings)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor (batch, length), got {type(attention_mask).__name__}.")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}.")
     for name in ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "synced_gpus"):
         if kwargs.get(name):
@@ -3237,6 +3532,9 @@ def refusion_generate(
         kwargs.pop(name, None)
     kwargs.pop("negative_prompt_attention_mask", None)
     settings, config = resolve_settings(model, generation_config, input_ids.shape[1], kwargs)
+    inferred = attention_mask is None
+    if inferred:
+        attention_mask = inferred_attention_mask(input_ids, config.pad_token_id, settings.eos_token_ids)
     if return_dict_in_generate is None:
         return_dict_in_generate = bool(config.return_dict_in_generate)
     num_return_sequences = config.num_return_sequences or 1
@@ -3253,7 +3551,8 @@ def refusion_generate(
         if prompt.shape[0] == 0:
             raise ValueError("Every prompt in the batch needs at least one token (attention_mask has an empty row).")
         if not mask[mask.long().argmax() :].all():
-            raise ValueError("Prompts must be left-padded: attention_mask has a gap inside a row.")
+            where = f" (inferred from the pad token {config.pad_token_id}: pass attention_mask)" if inferred else ""
+            raise ValueError(f"Prompts must be left-padded: attention_mask has a gap inside a row{where}.")
         if (prompt == settings.mask_token_id).any():
             raise ValueError(
                 f"A prompt contains the mask token (id {settings.mask_token_id}); it marks undecoded tokens only."
@@ -3266,29 +3565,32 @@ def refusion_generate(
         columns = static_cache_columns(prompt_width, settings.max_new_tokens, settings.slot_size, settings.block_length)
         cache, compiled, buckets = None, None, None
         if settings.use_cache and settings.cache_implementation == "static":
-            cache = slot_cache(model, batch_size, columns)
+            columns = max(columns, settings.max_cache_len or 0)
+            # compiled forwards are specialised to the cache's tensors: that cache stays with the model for later calls
+            cache = slot_cache(model, batch_size, columns, keep=settings.compile_config is not None)
             if settings.compile_config:
                 compiled = compiled_backbone(model, settings.compile_config, settings.compile_cache_dir)
                 buckets = width_buckets(settings.draft_schedule)
         elif settings.use_cache:
             cache = DynamicCache()
-        prices = None
-        if settings.draft_schedule == "price" and settings.forward_prices is not None:
-            prices = ForwardPrices(settings.forward_prices, buckets)
-        elif settings.draft_schedule == "price":  # measured over the decode's own cache, or one like it
-            priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
-            prices = measured_prices(model, settings.compile_config, priced, compiled, buckets, prompt_width)
-        steps = step_functions(compiled)
-        decoders = []
-        for prompt in prompts:
-            processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
-            watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
-            decoders.append(SlotDecoder(prompt, settings, processors, watcher, prices, steps))
-        if settings.use_cache:
-            forwards = execute(model, decoders, cache, compiled, buckets)
-        else:
-            forwards = sum(execute(model, [decoder], None) for decoder in decoders)
-        forget_stale_prices(model, prices)
+        with cache.claimed() if isinstance(cache, SlotCache) else contextlib.nullcontext():
+            prices = None
+            if settings.draft_schedule == "price" and settings.forward_prices is not None:
+                prices = ForwardPrices(settings.forward_prices, buckets)
+            elif settings.draft_schedule == "price":  # measured over the decode's own cache, or one like it
+                priced = cache if isinstance(cache, SlotCache) else SlotCache(model, batch_size, cache_length(columns))
+                prices = measured_prices(model, settings.compile_config, priced, compiled, buckets, prompt_width)
+            steps = step_functions(compiled)
+            decoders = []
+            for prompt in prompts:
+                processors = build_logits_processors(config, settings, prompt.shape[0], prompt.device, logits_processor)
+                watcher = InOrderWatcher(prompt, streamer, criteria) if streamer is not None or criteria else None
+                decoders.append(SlotDecoder(prompt, settings, processors, watcher, prices, steps))
+            if settings.use_cache:
+                forwards = execute(model, decoders, cache, compiled, buckets)
+            else:
+                forwards = sum(execute(model, [decoder], None) for decoder in decoders)
+            forget_stale_prices(model, prices)
     if streamer is not None:
         decoders[0].watcher.end()
     ends = [decoder.answer_length() for decoder in decoders]

@@ -1,5 +1,7 @@
 """ReFusion decoding: well-formed output, cached == recomputed, exact cache contents, forward counts, errors."""
 
+import concurrent.futures
+import copy
 import dataclasses
 import itertools
 
@@ -209,6 +211,25 @@ def test_rows_of_a_left_padded_batch_equal_their_prompts_alone(model):
         ({"unknown_option": 3}, "unknown_option"),
         ({"attention_mask": torch.tensor([[1, 0, 1, 1, 1, 1]])}, "left-padded"),
         ({"attention_mask": torch.zeros((1, 6), dtype=torch.long)}, "at least one token"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
+        ({"max_new_tokens": None, "max_length": 9.0}, "max_length must be a whole number"),
+        ({"input_ids": torch.tensor([[5, 6, 1000]])}, "input_ids holds the token id 1000, outside"),
+        ({"input_ids": torch.tensor([[5, -3, 7]])}, "input_ids holds the token id -3, outside"),
+        ({"input_ids": torch.tensor([[5.0, 6.0]])}, "input_ids must hold integer token ids"),
+        ({"input_ids": [[5, 6, 7]]}, "input_ids must be a tensor"),
+        ({"input_ids": torch.tensor([5, 6, 7])}, "input_ids must be non-empty and 2D"),
+        ({"attention_mask": [[1] * 6]}, "attention_mask must be a tensor"),
+        ({"mask_token_id": 3}, r"passed mask_token_id \(3\) differs from the model config's"),
+        ({"cache_implementation": "static", "cache_config": {"max_cache_len": 4}}, "cache_config"),
+        ({"max_cache_len": 512}, "max_cache_len=512 sizes the static cache"),
+        ({"cache_implementation": "static", "max_cache_len": 0}, "max_cache_len must be a positive"),
+        ({"num_return_sequences": 0}, "num_return_sequences must be a positive"),
+        ({"num_return_sequences": 2.5, "do_sample": True}, "num_return_sequences must be a positive"),
+        ({"eos_token_id": 10**6}, r"eos_token_id must hold token ids in \[0, "),
+        ({"eos_token_id": 2.5}, "eos_token_id must hold token ids"),
+        ({"pad_token_id": 10**6}, "pad_token_id must hold token ids"),
+        ({"forced_eos_token_id": 10**6}, "forced_eos_token_id must hold token ids"),
+        ({"suppress_tokens": [10**6]}, "suppress_tokens must hold token ids"),
     ],
 )
 def test_bad_input_raises_a_value_error_naming_it(model, arguments, message):
@@ -218,7 +239,8 @@ def test_bad_input_raises_a_value_error_naming_it(model, arguments, message):
         if arguments.get(key) == -1:
             arguments[key] = mask_id
     input_ids = arguments.pop("input_ids", PROMPT)
-    input_ids = torch.where(input_ids == -1, mask_id, input_ids)
+    if isinstance(input_ids, torch.Tensor) and not input_ids.dtype.is_floating_point:
+        input_ids = torch.where(input_ids == -1, mask_id, input_ids)
     with pytest.raises(ValueError, match=message):
         model.generate(input_ids, **{"max_new_tokens": 8, **arguments})
 
@@ -287,3 +309,81 @@ def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model,
     assert not calls
     assert torch.equal(at_once.sequences, alone.sequences)
     assert at_once.num_forward_passes == alone.num_forward_passes
+
+
+def test_a_generation_config_whose_mask_token_disagrees_with_the_models_is_refused_naming_both(model):
+    config = copy.deepcopy(model.generation_config)
+    config.mask_token_id = model.config.mask_token_id - 1
+    message = rf"generation config's mask_token_id \({config.mask_token_id}\) differs from the model config's " \
+        rf"\({model.config.mask_token_id}\)"  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        model.generate(PROMPT, generation_config=config, max_new_tokens=4)
+
+
+def test_a_left_padded_batch_without_attention_mask_has_its_padding_inferred_from_the_pad_token(model):
+    """As transformers infers it: the pad token's positions are padding when it is not an EOS token."""
+    batch = torch.tensor([[0, 0, 0, 11, 12, 13], PROMPT[0].tolist()])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    settings = dict(max_new_tokens=12, slot_size=4, eos_token_id=[2], pad_token_id=0)
+    assert torch.equal(model.generate(batch, **settings), model.generate(batch, attention_mask=mask, **settings))
+    with pytest.raises(ValueError, match="inferred from the pad token 0"):
+        model.generate(torch.tensor([[11, 0, 12]]), **settings)  # a pad token inside a prompt reads as a gap
+
+
+def test_a_batch_whose_padding_cannot_be_inferred_is_decoded_with_a_warning(model, caplog):
+    batch = torch.tensor([[0, 0, 0, 11, 12, 13], PROMPT[0].tolist()])
+    settings = dict(max_new_tokens=4, slot_size=4, eos_token_id=[0], pad_token_id=0)
+    with caplog.at_level("WARNING"):
+        model.generate(batch, **settings)
+    assert "padding cannot be inferred" in caplog.text
+
+
+@pytest.mark.parametrize("slot_size", [64, 100_000])
+def test_slots_longer_than_the_answer_are_cut_to_it(model, slot_size):
+    """A slot (and block) longer than `max_new_tokens` would plan and check positions past the answer's end: the
+    decode is the one with slots of `max_new_tokens` tokens, its work bounded by them."""
+    settings = dict(max_new_tokens=4, eos_token_id=[], return_dict_in_generate=True)
+    cut = model.generate(PROMPT, slot_size=4, **settings)
+    long = model.generate(PROMPT, slot_size=slot_size, **settings)
+    assert torch.equal(long.sequences, cut.sequences)
+    assert long.num_forward_passes == cut.num_forward_passes <= 4 + 1
+
+
+def test_a_static_cache_is_sized_by_max_cache_len_and_released_after_an_eager_decode(model, monkeypatch):
+    sizes, make = [], generation_refusion.slot_cache
+
+    def recorded(*args, **kwargs):
+        cache = make(*args, **kwargs)
+        sizes.append(cache.max_cache_len)
+        return cache
+
+    monkeypatch.setattr(generation_refusion, "slot_cache", recorded)
+    settings = dict(max_new_tokens=8, slot_size=4, eos_token_id=[], cache_implementation="static")
+    plain = model.generate(PROMPT, **settings)
+    assert torch.equal(model.generate(PROMPT, max_cache_len=1000, **settings), plain)
+    assert sizes[0] < 1000 <= sizes[1]
+    assert not hasattr(model, "_refusion_slot_cache")  # an eager decode's static cache is its own
+
+
+def test_threads_decoding_one_model_with_the_static_cache_each_get_their_own_answer(model):
+    prompts = [PROMPT, torch.tensor([[11, 12, 13, 14]])]
+    settings = dict(max_new_tokens=12, slot_size=4, eos_token_id=[], cache_implementation="static")
+    alone = [model.generate(prompt, **settings) for prompt in prompts]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(model.generate, prompt, **settings) for prompt in prompts * 4]
+        together = [run.result() for run in runs]
+    for index, answer in enumerate(together):
+        assert torch.equal(answer, alone[index % 2])
+
+
+def test_a_kept_static_cache_is_used_by_one_decode_at_a_time(model):
+    """A compiled decode keeps its cache on the model for the next; a second decode over it at the same time (another
+    thread) is refused rather than overwriting its keys and values."""
+    cache = generation_refusion.slot_cache(model, 1, 64)
+    with cache.claimed():
+        with pytest.raises(RuntimeError, match="already decoding over its static cache in another thread"):
+            with cache.claimed():
+                pass
+    with cache.claimed():  # released
+        pass
+    del model._refusion_slot_cache

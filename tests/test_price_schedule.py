@@ -162,6 +162,9 @@ def test_the_prior_is_a_fast_rule_setting_between_zero_and_one():
         ({1: -0.5}, "the price of width 1 (-0.5) is not a positive finite number"),
         ({1: math.inf}, "the price of width 1 (inf) is not a positive finite number"),
         ({1: "fast"}, "the price of width 1 ('fast') is not a positive finite number"),
+        ({1: math.nan}, "the price of width 1 (nan) is not a positive finite number"),
+        ({1: 10**400}, "is not a positive finite number"),
+        ({"\u00b2": 1.0}, "width '\u00b2' is not a positive integer"),  # a digit to `str.isdigit`, not to `int`
     ],
 )
 def test_bad_prices_are_refused_naming_the_option(prices, message):
@@ -486,18 +489,56 @@ def test_a_table_stays_where_no_decode_over_its_cache_beat_it(tmp_path, monkeypa
     assert path.read_text() == kept
 
 
-def test_a_damaged_file_is_measured_again_and_an_empty_name_keeps_nothing(tmp_path, monkeypatch):
+def test_a_damaged_file_is_moved_aside_and_measured_again_and_an_empty_name_keeps_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """A price file that is not JSON (or not an object of tables) is never overwritten: it is moved aside to
+    `<name>.corrupt` (`.corrupt.1` where that is taken), with one warning naming it, and a new file keeps the table
+    measured in its place."""
     path = tmp_path / "prices.json"
     path.write_text("{not json")
+    (tmp_path / "prices.json.corrupt").write_text("an earlier damaged file")
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
     model = sharpened_model("llama", scale=4.0)
     model.generate(PROMPT, draft_schedule="price", **SETTINGS)
     assert len(json.loads(path.read_text())) == 1
+    assert (tmp_path / "prices.json.corrupt.1").read_text() == "{not json"
+    assert (tmp_path / "prices.json.corrupt").read_text() == "an earlier damaged file"
+    assert caplog.text.count(f"The forward price file {path} is damaged") == 1
+    path.write_bytes(b"[1, 2]")  # JSON, but no object of tables
+    assert generation_refusion.read_price_file(path) == {}
+    assert (tmp_path / "prices.json.corrupt.2").read_bytes() == b"[1, 2]" and not path.exists()
 
     monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
     other = sharpened_model("mistral", scale=4.0)
     other.generate(PROMPT, draft_schedule="price", **SETTINGS)
-    assert len(other._refusion_prices) == 1 and len(json.loads(path.read_text())) == 1
+    assert len(other._refusion_prices) == 1 and not path.exists()
+
+
+def test_damaged_tables_are_dropped_alone_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A table that is not positive finite prices by width (NaN, which Python's JSON reads, infinite, negative, a
+    string, a number past every float) is dropped with one warning naming the file, the valid ones kept; a decode
+    whose own table was damaged measures it again."""
+    path = tmp_path / "prices.json"
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    model = sharpened_model("llama", scale=4.0)
+    settings = dict(SETTINGS, draft_schedule="price")
+    key, _ = kept_table(model, settings, path, monkeypatch)
+    good = {"another model's": {"1": 0.5, "8": 0.75}}
+    damaged = {
+        key: {"1": math.nan, "8": 1.0}, "infinite": {"1": math.inf}, "negative": {"1": -1.0}, "text": {"1": "fast"},
+        "huge": {"1": 10**400}, "no table": [1.0], "no width": {"one": 1.0}, "empty": {},
+    }  # fmt: skip
+    path.write_text(json.dumps({**good, **damaged}))  # (NaN and Infinity as Python's JSON writes them)
+    measured = []
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
+    model.generate(PROMPT, **settings)
+    assert measured == [1]
+    assert json.loads(path.read_text()) == {**good, key: {str(width): price for width, price in CHEAP.items()}}
+    assert caplog.text.count(f"The forward price file {path} holds 8 damaged table(s)") == 1
+    path.write_text(json.dumps({**good, **damaged}))
+    assert generation_refusion.read_price_file(path) == {"another model's": {1: 0.5, 8: 0.75}}
+    assert caplog.text.count("damaged table(s)") == 1  # once a process
 
 
 def test_an_unwritable_file_warns_and_decodes(tmp_path, monkeypatch, caplog):
@@ -508,6 +549,61 @@ def test_an_unwritable_file_warns_and_decodes(tmp_path, monkeypatch, caplog):
     output = model.generate(PROMPT, draft_schedule="price", **SETTINGS)
     assert output.sequences.shape[1] == PROMPT.shape[1] + SETTINGS["max_new_tokens"]
     assert "could not be kept" in caplog.text
+
+
+def test_a_file_that_cannot_be_written_warns_once_and_leaves_no_partial_file(tmp_path, monkeypatch, caplog):
+    """Where the price file cannot be replaced (here its rename fails) or its name is a folder, each decode still
+    runs, the warning comes once a process, no partial file is left beside it and the folder is left as it is."""
+    path = tmp_path / "prices.json"
+    path.write_text(json.dumps({"kept": {"1": 1.0}}))
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
+    replace = generation_refusion.os.replace
+
+    def failing(source, target):
+        if str(source).endswith(".partial"):
+            raise OSError(30, "Read-only file system", str(target))
+        return replace(source, target)
+
+    monkeypatch.setattr(generation_refusion.os, "replace", failing)
+    for key in ("first", "second"):
+        generation_refusion.keep_prices(key, {1: 1.0})
+    assert caplog.text.count(f"could not be kept in {path}") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["prices.json"]
+    assert json.loads(path.read_text()) == {"kept": {"1": 1.0}}
+    monkeypatch.undo()
+
+    folder = tmp_path / "forward_prices.json"
+    folder.mkdir()
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(folder))
+    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: dict(CHEAP))
+    for architecture in ("llama", "qwen2"):  # two models: each measures and would keep its table
+        output = sharpened_model(architecture, scale=4.0).generate(PROMPT, draft_schedule="price", **SETTINGS)
+        assert output.sequences.shape[1] == PROMPT.shape[1] + SETTINGS["max_new_tokens"]
+    assert caplog.text.count(f"The forward price file {folder} could not be read") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["forward_prices.json", "prices.json"]
+    assert not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_price_file_that_is_a_symbolic_link_is_written_through_it(tmp_path, monkeypatch, dangling):
+    """The link stays a link: its target (made where it is missing, its folder too) holds the tables, with the
+    permissions it had."""
+    target = tmp_path / "shared" / "prices.json"
+    link = tmp_path / "cache" / "forward_prices.json"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    if not dangling:
+        target.parent.mkdir()
+        target.write_text(json.dumps({"kept": {"1": 1.0}}))
+        target.chmod(0o640)
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", str(link))
+    generation_refusion.keep_prices("new", {1: 2.0, 8: 3.0})
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    expected = {"new": {"1": 2.0, "8": 3.0}} if dangling else {"kept": {"1": 1.0}, "new": {"1": 2.0, "8": 3.0}}
+    assert json.loads(target.read_text()) == expected
+    assert sorted(path.name for path in target.parent.iterdir()) == ["prices.json"]  # no partial file left
+    if not dangling:
+        assert target.stat().st_mode & 0o777 == 0o640
 
 
 def test_a_table_holds_for_one_model_dtype_attention_batch_path_and_set_of_widths():

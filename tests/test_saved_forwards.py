@@ -15,7 +15,7 @@ from test_static_cache import causal_forward
 from transformers import CompileConfig
 
 import generation_refusion
-from generation_refusion import SavedForwards, compiled_backbone
+from generation_refusion import SavedForwards, compiled_backbone, digest_path
 
 SETTINGS = dict(
     max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, fused_redraft=True,
@@ -49,8 +49,10 @@ def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_
     eager = model.generate(ids, attention_mask=mask, **SETTINGS)
     saved = dict(SETTINGS, compile_config=config, compile_cache_dir=str(tmp_path))
     assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
-    packages = sorted(tmp_path.iterdir())
-    assert len(packages) == len(compiles) >= 2 and all(path.suffix == ".pt2" for path in packages)  # no partial file
+    packages = sorted(tmp_path.glob("*.pt2"))
+    assert len(packages) == len(compiles) >= 2
+    files = sorted([*packages, *map(digest_path, packages)])
+    assert sorted(tmp_path.iterdir()) == files  # each package with its digest, no partial file
 
     del model._refusion_compiled  # as a new process would: nothing in memory, the packages on disk
     count = len(compiles)
@@ -63,8 +65,8 @@ def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_
     packages[0].write_bytes(b"not a package")  # damaged: compiled again, with a warning, and decodes as before
     del model._refusion_compiled
     assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
-    assert len(compiles) == count + 1 and "did not load" in caplog.text
-    assert sorted(tmp_path.iterdir()) == packages
+    assert len(compiles) == count + 1 and f"{packages[0]} does not match its digest" in caplog.text
+    assert sorted(tmp_path.iterdir()) == files
 
 
 def test_a_weight_change_means_other_packages(tmp_path):
@@ -220,8 +222,8 @@ def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configu
     assert backends == [None, "ATEN"] and len(race) == 1
     (configured, alone), contents = race[0]
     assert configured > 0 and alone > 0
-    [package] = tmp_path.iterdir()
-    assert package == saved.path((1, 2, 128, 128))
+    package = saved.path((1, 2, 128, 128))
+    assert sorted(tmp_path.iterdir()) == [package, digest_path(package)]  # the rival gone, the digest of the kept one
     assert package.read_bytes() == contents[1 if alone < configured else 0]
     assert f"keeping the package {'oneDNN' if alone < configured else 'as configured'}" in caplog.text
 
@@ -479,7 +481,7 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
         assert 1 <= len(step.by_shapes) <= 2
     later = generation_refusion.SavedStep(step.function, tmp_path, step.dims)
     assert all(torch.equal(got, wanted) for got, wanted in zip(later(*arguments), expected))
-    assert len(compiles) == 2 and len(list(tmp_path.iterdir())) == 2
+    assert len(compiles) == 2 and len(list(tmp_path.glob("*.pt2"))) == 2
     with pytest.raises(TypeError, match="takes 11 arguments here, not 10"):
         step(*arguments[:-1])
     scoring = generation_refusion.SavedStep(generation_refusion.greedy_distributions, tmp_path, ({0: "rows"}, None))
@@ -504,7 +506,7 @@ def test_a_decode_through_saved_forwards_on_a_cpu_runs_its_masks_and_infill_roun
     generation_refusion.compile_forwards(model, config, 1, columns, compile_cache_dir=tmp_path, lookup_drafts=2)
     whole = {"score_plan", "score_verify", "score_infill"}
     assert set(calls) == {"static_mask", "greedy_distributions", "copy_drafts", *whole}
-    steps = sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("step-"))
+    steps = sorted(path.name for path in tmp_path.glob("step-*.pt2"))
     assert len(steps) == 6
     calls.clear()
     count = len(compiles)
