@@ -11,7 +11,7 @@ EVAL = ["lm-eval>=0.4.10,<0.5"]
 DEMO = [*GGUF, PEFT]  # the built-in default model with the recipe's LoRA adapter
 # Every benchmark's imports: the shipped model (DEMO), the plots, and TRL's trainer for benchmarks.train_step.
 BENCH = [*DEMO, "matplotlib>=3.7", TRL, DATASETS]
-TEST = ["pytest>=8", "ruff>=0.15", *TRAIN, *GGUF, *EVAL, *BENCH]
+TEST = ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.15", *TRAIN, *GGUF, *EVAL, *BENCH]
 
 setup(
     name="refusion",
@@ -26,7 +26,8 @@ setup(
     # The default model's recipe configs, adapter, distilled data and training history, so that an installed
     # (not only editable) package runs the demo.
     package_data={"recipe": ["*.yaml", "artifacts/*/*.*", "artifacts/*/adapter/*"]},
-    install_requires=["torch>=2.6", "transformers>=5.24,<6", "safetensors>=0.4"],
+    # The versions CI tests: saved packages, compiled graphs and the cache API are specific to them.
+    install_requires=["torch>=2.13,<2.14", "transformers>=5.25,<5.26", "safetensors>=0.4"],
     extras_require={"train": TRAIN, "gguf": GGUF, "eval": EVAL, "demo": DEMO, "bench": BENCH, "test": TEST},
     entry_points={
         "console_scripts": [

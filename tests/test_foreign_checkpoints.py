@@ -168,7 +168,7 @@ def test_native_export_decodes_the_same_under_tensor_parallelism_on_two_cpu_proc
     expected = model.generate(torch.tensor([PROMPT]), **DECODING)[0].tolist()
     probe, report = Path(__file__).with_name("tp_probe.py"), tmp_path / "tp.json"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(probe), str(native), str(report)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", probe, native, report],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1", "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
