@@ -70,11 +70,14 @@ from recipe.decoding import (
 )
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, prepare_for_decoding, random_base, with_adapter
+from recipe.prompts import PROMPT_SETS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt_set", default="held_out", choices=PROMPT_SETS,
+                        help="the recipe's held-out prompts, or the everyday ones (benchmarks/data)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,7 +111,7 @@ def main() -> None:
     ar, model = copy.deepcopy(base).to(args.device, ar_dtype), model.to(args.device, dtype)
     # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones grouped attention
     prepare_for_decoding(model, compiled=args.refusion == ["compiled"])
-    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
+    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts, args.prompt_set)])
     refusions = {}
     for path in args.refusion:
         options = {}

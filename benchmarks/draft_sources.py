@@ -2,13 +2,14 @@
 
     python -m benchmarks.draft_sources [--prompts 32] [--max_new_tokens 64] [--max_distance 16] [--dtype float32]
 
-The shipped model (SmolLM2 with the shipped adapter) answers each held-out prompt by its own greedy AR
-(`generate()`, token by token). Then, in one forward per prompt, `[MASK]` queries are put at every distance d =
-1..`max_distance` ahead of every point of that answer: a query at distance d sees the prompt and the first a answer
-tokens and sits at the RoPE position of answer token a + d - 1 (d = 1: the next token). That is the draft a plan
-forward makes at slot offset d - 1 for a slot that starts right after the a tokens, and the draft any extra query of a
-one-slot-at-a-time step could make. Each draft is checked as the decoder checks it: accepted when the model's AR
-probability of it, given the answer before it, is above `token_threshold`. Reported by distance:
+The shipped model (SmolLM2 with the shipped adapter) answers each prompt (the held-out ones, or with `--prompt_set
+everyday` the everyday ones) by its own greedy AR (`generate()`, token by token). Then, in one forward per prompt,
+`[MASK]` queries are put at every distance d = 1..`max_distance` ahead of every point of that answer: a query at
+distance d sees the prompt and the first a answer tokens and sits at the RoPE position of answer token a + d - 1 (d = 1:
+the next token). That is the draft a plan forward makes at slot offset d - 1 for a slot that starts right after the a
+tokens, and the draft any extra query of a one-slot-at-a-time step could make. Each draft is checked as the decoder
+checks it: accepted when the model's AR probability of it, given the answer before it, is above `token_threshold`.
+Reported by distance:
 
 - accepted: the share of drafts that pass the check (what a draft of that distance adds to tokens per forward);
 - AR's token: the share equal to the AR's greedy token there;
@@ -31,6 +32,7 @@ from finetune.chat import prompt_token_ids
 from recipe.decoding import decode
 from recipe.evaluate import benchmark_prompts
 from recipe.model import decoding_dtype, load_base, with_adapter
+from recipe.prompts import PROMPT_SETS
 
 
 def draft_queries(prompt_length: int, answer_length: int, max_distance: int) -> tuple[torch.Tensor, ...]:
@@ -83,6 +85,8 @@ def check_drafts(model, prompt: list[int], answer: list[int], max_distance: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt_set", default="held_out", choices=PROMPT_SETS,
+                        help="the recipe's held-out prompts, or the everyday ones (benchmarks/data)")  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--max_distance", type=int, default=16, help="the farthest draft, in tokens ahead")
     parser.add_argument("--dtype", default="float32")
@@ -92,16 +96,16 @@ def main() -> None:
     base, tokenizer = load_base()
     model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
     model = model.to(args.device, decoding_dtype(args.dtype, args.device))
-    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts)])
+    prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts, args.prompt_set)])
     answers = decode(model, refusion_tokenizer, prompts, args.max_new_tokens, autoregressive=True,
                      time_forwards=False).answers  # fmt: skip
     checks = [check_drafts(model, prompt, answer, args.max_distance, settings)
               for prompt, answer in zip(prompts, answers) if answer]  # fmt: skip
     merged = {name: torch.cat([check[name] for check in checks]) for name in checks[0]}
 
-    print(f"{len(checks)} held-out prompts answered by the shipped model's own AR ({sum(map(len, answers))} tokens, "
-          f"{model.dtype}); token_threshold {settings['token_threshold']}, slot_threshold "
-          f"{settings['slot_threshold']}\n")  # fmt: skip
+    print(f"{len(checks)} {args.prompt_set} prompts answered by the shipped model's own AR "
+          f"({sum(map(len, answers))} tokens, {model.dtype}); token_threshold {settings['token_threshold']}, "
+          f"slot_threshold {settings['slot_threshold']}\n")  # fmt: skip
     print("| distance | drafts | accepted | AR's token | confident | confident and AR's token |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     rates = {}

@@ -50,6 +50,7 @@ from recipe.decoding import (
 )
 from recipe.evaluate import Evaluation, fastest, speed
 from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
+from recipe.prompts import PROMPT_SETS
 from recipe.report import cell, write_results
 
 GRID = {  # name -> a whole decoding setting: the whole-slot fast rule changed as the name says, and what ships
@@ -276,6 +277,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt_set", default="held_out", choices=PROMPT_SETS,
+                        help="the recipe's held-out prompts, or the everyday ones (benchmarks/data)")  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--adapter", default=str(SHIPPED_ADAPTER))
     parser.add_argument("--checkpoints", nargs="*", default=[], help="training checkpoints (adapters) to track")
@@ -330,7 +333,7 @@ def main() -> None:
     mode = args.ar_compile_mode or compile_mode(args.device)
     base, model = base.to(args.device, dtype), model.to(args.device, dtype)
     packed = prepare_for_decoding(model, kernels=not args.no_kernels)  # ReFusion's forwards: the decoding policy
-    evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats)
+    evaluation = Evaluation(base, tokenizer, args.prompts, args.max_new_tokens, args.repeats, args.prompt_set)
     decode(model, refusion_tokenizer, evaluation.prompt_ids[:1], max_new_tokens=8)  # one-off costs of first calls
     configs = {name: generation_config(model, GRID[name]) for name in GRID}  # each setting whole, as named
 
@@ -408,6 +411,7 @@ def main() -> None:
         "ar_compile_mode": mode,
         "torch": torch.__version__,
         "prompts": len(prompts),
+        "prompt_set": args.prompt_set,
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "adapter": args.adapter,

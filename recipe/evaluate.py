@@ -25,11 +25,19 @@ from finetune.convert import convert_to_refusion
 from recipe.decoding import DecodeRun, decode
 from recipe.metrics import answer_nll, contains_reference, exact_match, perplexity, repetition, token_f1
 from recipe.model import shipped_decoding, with_adapter
-from recipe.prompts import Prompt, build_prompts, interleave_kinds, split_prompts
+from recipe.prompts import PROMPT_SETS, Prompt, build_prompts, everyday_prompts, interleave_kinds, split_prompts
 
 
-def benchmark_prompts(count: int) -> list[Prompt]:
-    """`count` held-out prompts: half verifiable (factual, arithmetic), half open-ended, kinds interleaved."""
+def benchmark_prompts(count: int, prompt_set: str = "held_out") -> list[Prompt]:
+    """`count` prompts of `prompt_set`: the recipe's held-out ones (half verifiable: factual, arithmetic; half
+    open-ended; kinds interleaved), or the first `count` everyday ones (`recipe.prompts.everyday_prompts`)."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt_set must be one of {PROMPT_SETS}, got {prompt_set!r}.")
+    if prompt_set == "everyday":
+        prompts = everyday_prompts()
+        if count > len(prompts):
+            raise ValueError(f"The everyday set holds {len(prompts)} prompts, fewer than the {count} asked.")
+        return prompts[:count]
     _, held_out = split_prompts(build_prompts())
     verifiable = interleave_kinds([p for p in held_out if p.reference is not None])
     open_ended = interleave_kinds([p for p in held_out if p.reference is None])
@@ -75,10 +83,11 @@ class Evaluation:
         prompt_count: int = 32,
         max_new_tokens: int = 64,
         repeats: int = 1,
+        prompt_set: str = "held_out",
     ):
         self.base, self.tokenizer = base, tokenizer
         self.max_new_tokens, self.repeats = max_new_tokens, repeats
-        self.prompts = benchmark_prompts(prompt_count)
+        self.prompts = benchmark_prompts(prompt_count, prompt_set)
         self.prompt_ids = prompt_token_ids(tokenizer, [prompt.text for prompt in self.prompts])
         self.base_vocab = base.get_input_embeddings().num_embeddings
         decode(base, tokenizer, self.prompt_ids[:1], max_new_tokens=8)  # first calls pay one-off costs

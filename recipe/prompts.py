@@ -10,6 +10,9 @@ import hashlib
 import itertools
 import random
 from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.files import read_jsonl
 
 CAPITALS = {
     "France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Germany": "Berlin", "Japan": "Tokyo",
@@ -130,6 +133,16 @@ class Prompt:
     text: str
     kind: str
     reference: str | None = None
+
+
+# The second evaluation set: everyday prompts written by hand, unlike these templates, never trained on
+EVERYDAY_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "everyday_prompts.jsonl"
+PROMPT_SETS = ("held_out", "everyday")  # what the benchmarks evaluate on (`recipe.evaluate.benchmark_prompts`)
+
+
+def everyday_prompts() -> list[Prompt]:
+    """The everyday prompts (benchmarks/data/README.md), in the file's order: their kinds take turns."""
+    return [Prompt(row["text"], row["kind"]) for row in read_jsonl(EVERYDAY_FILE, required=("kind", "text"))]
 
 
 def word_problems() -> list[Prompt]:

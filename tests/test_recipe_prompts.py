@@ -4,7 +4,10 @@ import json
 import re
 from pathlib import Path
 
-from recipe.prompts import CAPITALS, COLOURS, SOUNDS, build_prompts, interleave_kinds, split_prompts
+import pytest
+
+from recipe.evaluate import benchmark_prompts
+from recipe.prompts import CAPITALS, COLOURS, SOUNDS, build_prompts, everyday_prompts, interleave_kinds, split_prompts
 
 KINDS = {"factual", "explanation", "list", "code", "rewriting", "arithmetic"}
 
@@ -69,3 +72,20 @@ def test_training_prompts_are_interleaved_so_any_prefix_covers_every_kind():
     assert all(sum(p.kind == kind for p in first) == 40 for kind in KINDS)
     capitals = [p for p in ordered[:60] if p.kind == "factual"]
     assert len({p.text.split()[-1] for p in capitals}) > 5  # shuffled within a kind too, not one template's run
+
+
+def test_the_everyday_set_is_a_second_evaluation_set_never_trained_on():
+    """At least 64 hand-written prompts of six kinds taking turns, none of them a recipe prompt (the recipe distills
+    and trains only on `build_prompts()`); `benchmark_prompts` serves either set and names a set it does not know."""
+    everyday = everyday_prompts()
+    texts = [prompt.text for prompt in everyday]
+    assert len(everyday) >= 64 and len(set(texts)) == len(texts)
+    assert set(texts).isdisjoint(prompt.text for prompt in build_prompts())
+    kinds = [prompt.kind for prompt in everyday]
+    assert len(set(kinds)) == 6 and len(set(kinds[:12])) == 6  # any prefix is balanced
+    assert benchmark_prompts(12, "everyday") == everyday[:12]
+    assert {prompt.text for prompt in benchmark_prompts(8)} <= {p.text for p in split_prompts(build_prompts())[1]}
+    with pytest.raises(ValueError, match="prompt_set must be one of"):
+        benchmark_prompts(8, "held-out")
+    with pytest.raises(ValueError, match="fewer than the 1000 asked"):
+        benchmark_prompts(1000, "everyday")
