@@ -121,16 +121,15 @@ WIDTH_BUCKETS = (8, 16, 32, 64)
 NARROW_BUCKETS = (1, 2, 4)
 RECOMPILE_LIMIT = 64  # graphs a compiled backbone may hold: width buckets x cache lengths x batch sizes
 # With the weights frozen into the graphs, a compiled forward of up to this many new tokens ends with the output layer
-# (over all of them), whose weight inductor then packs for its own GEMM kernels: in bfloat16 on an AVX2 CPU, which has
-# no packed eager kernel for it, SmolLM2's output layer cost 3.8 / 4.0 / 5.6 / 10.3 ms over 1 / 2 / 4 / 8 rows in a
-# frozen graph against 5.0 / 8.0 / 15.4 / 30.5 eagerly (float32: 4.5 / 5.0 / 5.7 / 7.2 against 5.3 / 5.5 / 7.4 / 7.8
-# prepacked). Wider forwards (a prompt) keep it eager over the tokens whose logits are used (`run_model`).
+# (over all of them), whose weight inductor then packs for its own GEMM kernels: at these widths cheaper than the eager
+# output layer, prepacked or not, and most of all in bfloat16 on a CPU without oneDNN's bfloat16 kernels (AVX2), which
+# has no packed eager kernel for it. Wider forwards (a prompt) keep it eager over the tokens whose logits are used
+# (`run_model`).
 LOGITS_IN_GRAPH_WIDTH = 8
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
 # A forward of up to `WINDOW_WIDTH` new tokens over a static cache attends over its first columns only, the fewest of
 # `key_windows` that hold every row's stored and new tokens: a static cache is sized for the longest answer and the
-# widest forward, and attention over its unwritten columns costs as if they were written (SmolLM2's one-query forward,
-# bfloat16, AMX CPU: 12.6-13.1 ms over 256 columns, against the AR's 12.1-12.5 over 128). Each window is a graph of
+# widest forward, and attention over its unwritten columns costs as if they were written. Each window is a graph of
 # its own; wider forwards, rare after the prompt's, attend over the whole cache, which bounds the graphs compiled.
 WINDOW_WIDTH = 8
 # On some CPUs the saved forwards of up to `WINDOW_WIDTH` new tokens keep their weights outside their code, so that
@@ -150,9 +149,8 @@ PARTIAL_STALE = 3600.0
 # (512 by default). A decoding forward's element-wise kernels (norms, RoPE, activations, the queries stacked for
 # attention) over 2-8 new tokens hold a few thousand elements, for which starting and joining the threads costs more
 # than the work: compiled forwards and steps on a CPU keep loops of fewer than `CPU_MIN_CHUNK` elements a thread on
-# one thread (a compile config's own `cpp.min_chunk_size` option wins). SmolLM2's saved forwards over 128 columns,
-# bfloat16, AMX CPU, 2 threads: 2 / 4 / 8 queries 13.0 / 13.4 / 14.3 ms against 13.3 / 13.8 / 14.4 with the default,
-# one query unchanged, the same logits bit for bit (benchmarks/results/smollm2-amx-2026-12-05/probes.md).
+# one thread (a compile config's own `cpp.min_chunk_size` option wins). Only how the loops are shared among the threads
+# changes, not what they compute.
 CPU_MIN_CHUNK = 8192
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
@@ -171,10 +169,8 @@ PRICE_CACHE_VARIABLE = "REFUSION_PRICE_CACHE"
 # A measured width priced within this share above the narrowest width's price is priced as the narrowest: width that
 # costs about nothing is taken as free. The schedule's expected tokens rest on the acceptance seen so far, low early in
 # a prompt (`draft_prior`) and pooled over drafts of every kind, so a near-tie between widths goes to the narrower one
-# where the wider would have paid: SmolLM2 on an AMX CPU, its measured 2 / 4 / 8-query forwards 15.8 / 16.5 / 16.9 ms
-# (in decodes 13.8 / 14.2 / 14.8), decoded at 1.11x and 1.13x the frozen static AR as measured and at 1.16x both times
-# with widths 2 to 8 priced alike, 1.33 tokens a forward against 1.28, every pass of seven faster, the same tokens
-# (benchmarks/results/smollm2-amx-2026-12-06/probes.md, session 38). A caller's table is taken as given.
+# where the wider would have paid: widths priced alike leave the choice to the acceptance, which takes the wider
+# drafts, more tokens a forward for forwards that cost about the same. A caller's table is taken as given.
 PRICE_FREE = 0.08
 # Logits processors that look only at the scores, not at the tokens before them: applied once to all queries.
 CONTEXT_FREE = (
@@ -672,8 +668,7 @@ def first_argmax(values: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     """`values.argmax(dim=-1)`: the first index of the largest value along the last dimension (ties go to the lowest
     index, as in transformers' greedy search). Found as the maxima of runs of `chunk` columns, the first run holding
     the row's maximum, and the first maximum inside it: on a CPU, PyTorch's `argmax` and `topk` over a
-    vocabulary-wide row do not vectorise, and cost 6-7 times this (SmolLM2's 49,152 columns, 10 rows, 2 threads:
-    0.8 ms and 1.0 ms against 0.14 ms)."""
+    vocabulary-wide row do not vectorise, where the maxima of runs (`amax`) do."""
     width = values.shape[-1]
     rows = values.reshape(-1, width)
     body = width - width % chunk
@@ -707,7 +702,7 @@ def greedy_distributions(scores: torch.Tensor, mask_token_id: int) -> tuple[torc
     `pick_tokens(scores.softmax(-1), mask_token_id, do_sample=False)` picks, with no copy of the table. The mask
     token's probability reads -1 in the table returned, as a draft that is not there does (it is never picked, so
     nothing else reads it). (Converting, then the softmax: on a CPU, `softmax(dtype=torch.float32)` of bfloat16
-    rows gives the same values at 4 times the cost.)"""
+    rows gives the same values, several times more slowly.)"""
     probabilities = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
     probabilities[..., mask_token_id] = -1.0
     return probabilities, first_argmax(probabilities)
@@ -716,9 +711,8 @@ def greedy_distributions(scores: torch.Tensor, mask_token_id: int) -> tuple[torc
 def greedy_logsumexp(scores: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`greedy_distributions` without the table: each row's logsumexp (in float32, or wider) and greedy token (never
     the mask token); a token's probability is `exp(score - logsumexp)`. On a CPU scoring is the exponentials over
-    every column, and a table of them costs passes more: a greedy infill round of 16 rows of SmolLM2's 49,153
-    columns, compiled ahead of time (`score_infill`), took 470-510 µs through the table against 300-340 so (AMX CPU,
-    2 threads), and writes a copy of the rows in their own dtype rather than two in float32."""
+    every column, and a table of them costs passes more over memory (a compiled scoring step, `score_infill`, reads
+    the rows fewer times without it), and writes a copy of the rows in their own dtype rather than two in float32."""
     never = torch.tensor([mask_token_id], device=scores.device)
     logsumexp = scores.to(torch.promote_types(scores.dtype, torch.float32)).logsumexp(dim=-1)
     return logsumexp, first_argmax(scores.index_fill(-1, never, float("-inf")))
@@ -1136,7 +1130,7 @@ class ForwardPrices:
 def upload(values: list[int], device) -> torch.Tensor:
     """A flat host list of ints as a 1-D long tensor on `device`, copied without waiting for the device's queued work.
     (Read from an `array`'s buffer: `torch.tensor` converts a list item by item, which a decode paid about twice a
-    forward, 23.5 µs a call inside a decode on an AMX CPU against 11.9 through the buffer.)"""
+    forward; the buffer is read whole.)"""
     host = torch.frombuffer(array.array("q", values), dtype=torch.long) if values else torch.zeros(0, dtype=torch.long)
     return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)
 
@@ -2032,7 +2026,7 @@ class StepFunctions:
     function's dozens of small operations become one call of generated code (on a GPU a kernel or a few, where each
     operation was a launch). `EAGER_STEPS` holds the functions themselves, `compiled_steps()` them compiled, and
     beside saved forwards on a CPU `SavedForwards.steps` all but `judge_infill` compiled ahead of time
-    (`SavedStep`: there a call costs a fifth of a `torch.compile` call's Python)."""
+    (`SavedStep`: there a call skips the Python layers of a `torch.compile` call)."""
 
     copy_drafts: Callable  # drafts copied from earlier text (`lookup_drafts`), written into the slots
     static_mask: Callable  # where a forward's tokens go in a `SlotCache`, and their attention mask
@@ -2052,10 +2046,10 @@ EAGER_STEPS = StepFunctions(
 def compiled_steps() -> StepFunctions:
     """`StepFunctions` under torch.compile with dynamic shapes, made once a process: a function's graphs serve every
     text length, cache length, width and vocabulary, save that dynamo gives sizes of one graphs of their own (one slot
-    or several, one row or several, one new token or several; `warm_up_steps`), and so do dtypes and devices. SmolLM2
-    on an AMD Zen 4 (2 threads), microseconds a call, eager against compiled: copying drafts 180 / 39, a mask over 256
-    columns 64 / 36, scoring a forward's logits 96 / 54 for one row, 85 / 88 for two, 221 / 250 for eight, back to
-    back; right after a forward each compiled call costs about 0.3 ms more, a cold cache's (see `SavedStep`)."""
+    or several, one row or several, one new token or several; `warm_up_steps`), and so do dtypes and devices. A
+    compiled call replaces dozens of small eager operations, which pays most for the functions of many operations on
+    small tensors (copying drafts, the mask) and least for scoring many rows, whose work is the exponentials; right
+    after a forward each compiled call also pays for a cold cache (see `SavedStep`)."""
     return StepFunctions(*(compile_step(getattr(EAGER_STEPS, field)) for field in StepFunctions.__dataclass_fields__))
 
 
@@ -2151,8 +2145,7 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # An indexed assignment, which inductor writes in place into the cache tensors; `scatter_` there became a copy
-        # of each layer's keys and values, written back after attention: SmolLM2's 30 cache writes and attentions,
-        # compiled alone for one query over 256 columns, cost 2.26 ms with `scatter_` against 1.70 (bfloat16, AMX CPU).
+        # of each layer's keys and values, written back after attention.
         layer, rows = self.layers[layer_idx], self.rows[: key_states.shape[0]]
         layer.keys[rows, :, self.columns] = key_states.transpose(1, 2)
         layer.values[rows, :, self.columns] = value_states.transpose(1, 2)
@@ -2347,45 +2340,41 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
 
 
 class SavedForwards:
-    """The backbone's forwards compiled ahead of time (`torch.export`, then AOTInductor with the compile config's
-    mode and options), one package per input shape (batch size, width, cache length), kept in `folder` as
-    `<key>.pt2`: a later process loads a package in about a second where `torch.compile` traces and compiles again
-    (for SmolLM2 with frozen weights on an AVX2 CPU, about 24 s a width even with inductor's disk cache warm). The key
-    (`saved_forward_key`) covers what a package depends on: the weights' contents (a package holds them, frozen or
-    not), the model's class, config, dtype and device, the compile config, this file's source and the versions of
-    torch and transformers. A package is checked against the digest kept beside it before it loads, and one that fails
-    (damaged, another key's, or without a digest) or does not load (built elsewhere) is compiled again, with a warning
-    (`load_or_build_package`). Packages are written whole (to a partial file, then renamed), so processes may share a
-    folder. Called as the compiled backbone is (`run_model`); CUDA graphs (`mode="reduce-overhead"`) do not apply to
-    packages.
+    """The backbone's forwards compiled ahead of time (`torch.export`, then AOTInductor with the compile config's mode
+    and options), one package per input shape (batch size, width, cache length), kept in `folder` as `<key>.pt2`: a
+    later process loads a package where `torch.compile` traces and compiles again (each width, even with inductor's disk
+    cache warm, and longest with frozen weights). The key (`saved_forward_key`) covers what a package depends on: the
+    weights' contents (a package holds them, frozen or not), the model's class, config, dtype and device, the compile
+    config, this file's source and the versions of torch and transformers. A package is checked against the digest kept
+    beside it before it loads, and one that fails (damaged, another key's, or without a digest) or does not load (built
+    elsewhere) is compiled again, with a warning (`load_or_build_package`). Packages are written whole (to a partial
+    file, then renamed), so processes may share a folder. Called as the compiled backbone is (`run_model`); CUDA graphs
+    (`mode="reduce-overhead"`) do not apply to packages.
 
     On a CPU without oneDNN's bfloat16 kernels (AVX2), autotuned forwards with frozen weights take their matrix
     products from inductor's C++ template alone (`max_autotune_gemm_backends="CPP"`, unless the compile config names
-    the backends): AOTInductor free to choose took ATen's unpacked product for 4 of SmolLM2's 7 linear layers in its
-    two-query package (bfloat16, AVX2 CPU), which then cost 1.5x its one-query package, where `torch.compile`, free or
-    not, takes the template throughout (the like on CUDA: pytorch/pytorch#180811). Where the template has no kernel
-    for some product (a dtype it does not cover), the package is compiled with the backends the config gives. Where
-    oneDNN has bfloat16 kernels (AVX512-BF16, AMX) autotuning chooses freely: on an AMD Zen 4 it took oneDNN's packed
-    product from 8 rows (the template there multiplies bfloat16 in float32), and SmolLM2's saved 8-query forward cost
-    26-32 ms against 50-52 with the template alone.
+    the backends): AOTInductor free to choose took ATen's unpacked product for some linear layers of a narrow
+    package, which then cost well above its one-query package, where `torch.compile`, free or not, takes the template
+    throughout (the like on CUDA: pytorch/pytorch#180811). Where the template has no kernel for some product (a dtype
+    it does not cover), the package is compiled with the backends the config gives. Where oneDNN has bfloat16 kernels
+    (AVX512-BF16, AMX) autotuning chooses freely: without AMX the template multiplies bfloat16 in float32, and
+    autotuning takes oneDNN's packed product for the wider forwards, which the template alone would make dearer.
 
     On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of up to `WINDOW_WIDTH` new tokens take
     their products from inductor's C++ template alone (there autotuning takes it for each width anyway; left to
-    choose for a width it does not know, it took oneDNN's, 17-21 ms against 13-14) and keep their weights outside
-    their code (`WEIGHTS_APART`), where the template's packed layout does not depend on the width: the packages run
-    from one copy of the weights (`SharedWeights`), so that a decode alternating widths does not evict one package's
-    weights from the processor's caches with another's. SmolLM2 in bfloat16 (330 MB of weights), its 1 / 2 / 4 /
-    8-query forwards run in turn as a decode runs them: 12.4 / 12.9 / 13.5 / 14.0 ms, against 13.2 / 13.3 / 13.5 / 14.2
-    from one package of dynamic width (2-8, one query padded to two; what this class compiled before) and 13.2 / 13.5
-    / 14.4 (2 / 4 / 8) from packages each with a copy of its own; the same logits bit for bit.
+    choose for a width it does not know, it took oneDNN's, the slower) and keep their weights outside their code
+    (`WEIGHTS_APART`), where the template's packed layout does not depend on the width: the packages run from one copy
+    of the weights (`SharedWeights`), so that a decode alternating widths does not evict one package's weights from
+    the processor's caches with another's. Run in turn as a decode runs them, the narrow forwards so cost less than
+    from one package of dynamic width (one query padded to two) or from packages each with a copy of its own, with
+    the same logits.
 
-    On a CPU with oneDNN's bfloat16 kernels but no AMX (AMD Zen 4 and 5), autotuned forwards with frozen weights of up
+    On a CPU with oneDNN's bfloat16 kernels but no AMX (AVX512-BF16 alone), autotuned forwards with frozen weights of up
     to `WINDOW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
     (`max_autotune_gemm_backends="ATEN"`), and the package whose forward runs faster on the forward's own inputs is the
     one kept (`race_packages`). Autotuning times each product alone with its weights in the caches, where the template
-    wins at 1-4 rows; a forward streams all the weights, where oneDNN's kernels (AVX512-BF16) do better: on an AMD Zen
-    5, SmolLM2's 1 / 2 / 4-query forwards (bfloat16) cost 13.0 / 13.6 / 16.5 ms autotuned and 11.2 / 10.7 / 10.8 with
-    oneDNN alone (benchmarks/results/smollm2-zen5-2026-12-06). The race costs a second compile of the narrow widths."""
+    wins at narrow widths; a forward streams all the weights, where oneDNN's kernels (AVX512-BF16) can do better, and
+    which does depends on the processor. The race costs a second compile of the narrow widths."""
 
     def __init__(self, model, compile_config: CompileConfig, folder: Path):
         if compile_config.backend != "inductor":
@@ -2488,7 +2477,7 @@ class SavedForwards:
                 self.keep_faster(exported, shape, inputs, package_path)
 
         flat = [*inputs[:4], *inputs[4], *inputs[5]]
-        load = functools.partial(self.weights.load, inputs=flat) if shared else load_package
+        load = functools.partial(self.weights.load, inputs=flat) if shared else load_forward
         return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load)
 
     def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
@@ -2530,9 +2519,9 @@ def compile_package(exported, shape: tuple, attempts: list[dict], package_path: 
 
 
 def race_packages(paths: list[str], inputs: list[torch.Tensor], rounds: int = PACKAGE_RACE_ROUNDS) -> list[float]:
-    """Seconds the fastest run of each AOTInductor package at `paths` took on the flat `inputs` (CPU), the packages
+    """Seconds the fastest run of each saved forward's package at `paths` took on the flat `inputs` (CPU), the packages
     run in turn `rounds` times (so that a busy moment of the machine falls on each alike), the first round untimed."""
-    runners = [load_package(Path(path)) for path in paths]
+    runners = [load_forward(Path(path)) for path in paths]
     seconds = [[] for _ in paths]
     for _ in range(rounds):
         for runner, times in zip(runners, seconds):
@@ -2545,9 +2534,9 @@ def race_packages(paths: list[str], inputs: list[torch.Tensor], rounds: int = PA
 class SavedStep:
     """A step function compiled ahead of time (`torch.export` with dynamic sizes, then AOTInductor), kept in `folder`
     beside the saved forwards, and called through its package's boxed run. On a CPU the decoder's step functions run
-    right after a forward, whose weights have flushed the caches: there a `torch.compile` call costs about 0.35 ms
-    whatever it computes (the Python layers of dynamo and AOTAutograd, cold), a package's boxed run about 0.06
-    (AMD Zen 4, 2 threads; `score_infill` of two slots 0.81 ms against 0.25).
+    right after a forward, whose weights have flushed the caches: there a `torch.compile` call pays for the Python
+    layers of dynamo and AOTAutograd, cold, whatever it computes, and a package's boxed run for little but the
+    computing.
 
     `dims` gives, for each argument, the axes whose size varies (named; axes of one name have one size), `{}` for a
     tensor whose sizes are fixed and None for an argument that is not a tensor. The other arguments and the fixed
@@ -2566,7 +2555,7 @@ class SavedStep:
         if any(0 in tensor.shape for tensor in tensors):  # (a package serves sizes from 1 up)
             return self.function(*arguments)
         constants = tuple(argument for argument, axes in zip(arguments, self.dims) if axes is None)
-        # (the runner by the exact shapes first: the signature's per-axis loop cost a decode a few µs a tensor)
+        # (the runner by the exact shapes first: the signature's per-axis loop would run for every tensor of a call)
         shapes = (constants, *((tensor.dtype, tensor.device, tensor.shape) for tensor in tensors))
         runner = self.by_shapes.get(shapes)
         if runner is None:
@@ -2616,9 +2605,63 @@ class SavedStep:
         return load_or_build_package(path, key, build, "step")
 
 
-def load_package(path: Path):
-    """The runner of the AOTInductor package at `path` (its `boxed_run` takes the flat inputs)."""
-    return torch._inductor.aoti_load_package(str(path)).loader
+def load_package(path: Path, arguments: Callable[[list], tuple] = tuple):
+    """The runner of the AOTInductor package at `path`: its `boxed_run` takes the flat inputs and gives the flat
+    outputs (`PackageRunner.of`; `arguments` makes the flat inputs the package's arguments where that needs them)."""
+    return PackageRunner.of(torch._inductor.aoti_load_package(str(path)), arguments)
+
+
+class PackageRunner:
+    """The one place that runs saved AOTInductor packages through a private hook, and the fallback where it is gone.
+
+    `torch._inductor.aoti_load_package(path)` gives an `AOTICompiledModel`, whose public call takes the arguments
+    the package was exported with and on every call reads the package's input and output specs (JSON) and flattens
+    and unflattens by them. Its `loader` (a `torch._C._aoti.AOTIModelPackageLoader`) has `boxed_run(flat)`, private:
+    the package run on its flat input tensors with nothing else done, which the decode's many small calls take. `of`
+    decides once, at load: where the loader has a `boxed_run` it is the runner itself (calls cost what they did);
+    where not (renamed or gone in another torch), the runner is this adapter, whose `boxed_run` makes the flat inputs
+    the package's arguments (`arguments`: a step's tensors as they are, a forward's `forward_arguments`), makes the
+    public call and flattens its outputs: decoding as before, slower, with one warning a process."""
+
+    warned = False  # whether this process has warned that packages run through their public call
+
+    def __init__(self, compiled, arguments: Callable[[list], tuple]):
+        self.compiled, self.arguments = compiled, arguments
+
+    @classmethod
+    def of(cls, compiled, arguments: Callable[[list], tuple] = tuple):
+        """The runner of the loaded package `compiled`: its loader where it has `boxed_run`, else an adapter."""
+        loader = getattr(compiled, "loader", None)
+        if callable(getattr(loader, "boxed_run", None)):
+            return loader
+        if not cls.warned:
+            cls.warned = True
+            logger.warning(f"This torch ({torch.__version__}) loads AOTInductor packages without the loader's "
+                           "`boxed_run`; saved forwards and steps run through the packages' public call instead, "
+                           "which costs more a call.")  # fmt: skip
+        return cls(compiled, arguments)
+
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return flat_tensors(self.compiled(*self.arguments(inputs)))
+
+
+def flat_tensors(outputs) -> list:
+    """`outputs` (a tensor, or tuples and lists of them, nested) as a flat list in order."""
+    if isinstance(outputs, (tuple, list)):
+        return [leaf for output in outputs for leaf in flat_tensors(output)]
+    return [outputs]
+
+
+def forward_arguments(inputs: list[torch.Tensor]) -> tuple:
+    """A saved forward's flat inputs (the ids, positions, mask and write columns, every layer's keys, then every
+    layer's values) as `ExportedBackbone.forward` takes them: the keys and the values each a list."""
+    layers = (len(inputs) - 4) // 2
+    return (*inputs[:4], list(inputs[4 : 4 + layers]), list(inputs[4 + layers :]))
+
+
+def load_forward(path: Path):
+    """The runner of the saved forward's package at `path` (`load_package`, its arguments `forward_arguments`)."""
+    return load_package(path, forward_arguments)
 
 
 def load_or_build_package(
@@ -2765,7 +2808,7 @@ class SharedWeights:
         """The runner of the package at `path` (its `boxed_run` takes the flat inputs), over shared constants;
         `inputs` are a forward's own flat inputs (they write what it will write), for the first package's check."""
         if self.refused:
-            return load_package(path)
+            return load_forward(path)
         try:  # (a package that does not load at all fails again below, and is compiled again)
             with tempfile.TemporaryDirectory() as folder:
                 with zipfile.ZipFile(path) as archive:
@@ -2793,13 +2836,13 @@ class SharedWeights:
         except Exception as error:
             logger.warning(f"The saved forward {path} does not run from weights shared with other widths' "
                            f"({type(error).__name__}: {str(error)[:300]}); it loads with its own.")  # fmt: skip
-            return load_package(path)
+            return load_forward(path)
         return SharedWeightsRunner(runner, shared)
 
     def check(self, runner, path: Path, inputs: list[torch.Tensor]) -> None:
         """Run `runner` (the package at `path` over constants read here) and the package with its own loader's on
         `inputs`; where their outputs differ, share no weights from now on (a ValueError)."""
-        own = load_package(path).boxed_run(list(inputs))
+        own = load_forward(path).boxed_run(list(inputs))
         if not all(torch.equal(mine, theirs) for mine, theirs in zip(runner.run(list(inputs)), own)):
             self.refused, self.kept = True, {}
             raise ValueError("its outputs from the weights as read here differ from its own loader's; no package will "
@@ -2952,7 +2995,7 @@ def frozen_weights(model, compile_config: CompileConfig, held: bool = False) -> 
 def module_tensors(model) -> list[torch.Tensor]:
     """Every parameter and buffer of `model` and its submodules, in a fixed order (a shared one as often as it is
     registered). (A walk of the modules' own dicts: `parameters()` and `buffers()` build every submodule's dotted name
-    on the way, 0.69 ms a call for SmolLM2 against 0.13, which `generate()` paid once a call.)"""
+    on the way, which `generate()` paid once a call.)"""
     tensors, modules = [], [model]
     while modules:
         module = modules.pop()
@@ -3015,9 +3058,9 @@ def padded_batch(requests: list["Request | None"], width: int, padding: torch.Te
 def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
     """The logits of each row's last `num_logits` tokens: when the batch's width is a bucket, through the `compiled`
     backbone, whose graphs up to its `logits_width` end with the output layer (frozen weights), and otherwise the
-    output layer over those tokens only, eagerly (prepacked weights serve it there; over a whole bucket of 64 inside
-    a graph it cost SmolLM2 230 ms of a 590 ms prompt forward on an AVX2 CPU, and on an AMX CPU, before graphs froze
-    weights, the output layer in the graph made decoding 5% slower); else through the model eagerly."""
+    output layer over those tokens only, eagerly (prepacked weights serve it there; inside a graph of a wide bucket
+    it would run over every padded token, a large share of a prompt's forward, and graphs that do not freeze the
+    weights get no packed kernel for it); else through the model eagerly."""
     inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
     width = batch["ids"].shape[1]
     if compiled is not None and width <= WIDTH_BUCKETS[-1]:  # a bucket (`pad_width`)
@@ -3192,8 +3235,8 @@ def prompt_runs_eagerly(model, compiled, cache, width: int, buckets: tuple[int, 
     eagerly at its own width rather than padded to its bucket in a graph: where the model's linear layers are
     prepacked for it (`packed_for`) and cost no more so, by the prices `prompt_prices` measured once per backbone,
     batch size, cache length and bucket (kept on the model). Past the widest bucket a forward runs eagerly anyway.
-    SmolLM2 in bfloat16: on the AVX2 CPU a 42-token prompt took 139 ms eagerly against 305 padded to 64 in a graph
-    with frozen weights; on an AMX CPU 50 tokens took 52 ms eagerly against 27 in the graph."""
+    Which is cheaper depends on the CPU (the eager packed kernels against the graph's, and the graph's padding), so
+    it is measured rather than assumed."""
     if compiled is None or not isinstance(cache, SlotCache):
         return False
     bucket = pad_width(width, buckets)
@@ -3237,23 +3280,22 @@ def measure_forward_prices(
     prompt_width: int | None = None,
 ) -> dict[int, float]:
     """Seconds a forward of each of `widths` new tokens per row takes over `cache` (through the `compiled` backbone
-    where given, at the width it pads to among its `buckets`), the fastest of `repeats` timed forwards after a
-    warm-up. Widths go narrowest first, a warm-up and a timed forward each, and stop at the first that costs
-    `PRICE_LINEAR` times as many one-query forwards as it has queries (timed again, with the one-query forward,
-    before believing it: a busy moment does not end the measuring): wider forwards then cost in proportion
-    (`ForwardPrices` prorates past the widest measured width) and measuring them would take longest. The other
-    repeats go round the measured widths a forward each, so that a busy spell of the machine falls on every width
-    alike and the prices keep their ratios, by which the schedule decides (on a busy AMX host, repeats back to back
-    priced SmolLM2's forwards of 1 / 2 / 4 / 8 queries at 16.3 / 17.9 / 14.0 / 20.3 ms). Once the timed forwards
-    have taken `seconds`, a width gets its warm-up and one timed forward only. Warm-ups do not count towards
+    where given, at the width it pads to among its `buckets`), the fastest of `repeats` timed forwards after a warm-up.
+    Widths go narrowest first, a warm-up and a timed forward each, and stop at the first that costs `PRICE_LINEAR` times
+    as many one-query forwards as it has queries (timed again, with the one-query forward, before believing it: a busy
+    moment does not end the measuring): wider forwards then cost in proportion (`ForwardPrices` prorates past the widest
+    measured width) and measuring them would take longest. The other repeats go round the measured widths a forward
+    each, so that a busy spell of the machine falls on every width alike and the prices keep their ratios, by which the
+    schedule decides (on a busy machine, repeats back to back priced some forwards below narrower ones). Once the timed
+    forwards have taken `seconds`, a width gets its warm-up and one timed forward only. Warm-ups do not count towards
     `seconds`, and no width is priced from its warm-up: where a width's forward is compiled on its first call (saved
     forwards not compiled yet), the warm-up takes the compiling (seconds to minutes), which would otherwise spend the
     time and be taken for the width's price.
 
     First, a forward of `prompt_width` (a decode's first forward, its prompt's) where given: the decode's forwards
     run after it, and so are measured. What a forward costs depends on what ran before: glibc's allocator serves
-    large tensors from fresh pages until larger ones have been freed, which made SmolLM2's two-query forwards at a
-    batch of 8 cost 190-235 ms measured first and 141-153 ms after a wide one. The forwards run on padding:
+    large tensors from fresh pages until larger ones have been freed, so that a narrow forward measured first costs
+    more than the same forward after a wide one, as in a decode. The forwards run on padding:
     what they write, the mask of a decode hides."""
     if prompt_width:  # run as a decode's (`execute`); its logits as many as the widest measured forward's
         eager = prompt_runs_eagerly(model, compiled, cache, prompt_width, buckets)
@@ -3332,8 +3374,8 @@ def cpu_name() -> str:
 def processor_name(cpuinfo: str) -> str:
     """The first processor's model name in `cpuinfo` (the text of Linux's /proc/cpuinfo) with its family and model
     numbers, and "AMX" when it has AMX tiles. Prices and compiled code differ between processors that a virtual machine
-    may name alike: "AMD EPYC" is both a Zen 4 (family 25) and a Zen 5 (family 26), where SmolLM2's saved forwards of 1
-    and 8 queries were priced at 8.8 and 20.8 ms on the one and 9.9 and 12.0 on the other."""
+    may name alike: "AMD EPYC" is both a Zen 4 (family 25) and a Zen 5 (family 26), which the family and model
+    numbers tell apart."""
     fields = {}
     for line in cpuinfo.splitlines():
         if not line.strip():  # (the first processor's fields end here)
@@ -3483,8 +3525,8 @@ def forget_stale_prices(model, prices: ForwardPrices | None) -> None:
     forwards measure dearer on their own than amid a decode), takes the decode's times for the widths it beat. Where
     the narrowest width is among them, the machine was busy while measuring: every width's price first scales by as
     much as the narrowest's fell, so that the ratios, by which the schedule decides, hold. (The one-query forward runs
-    most, so a decode sees its fastest: lowered alone, most likely, on a busy AMX host it left two queries priced at
-    1.49 one-query forwards, and tokens per forward fell from 1.23 to 1.12 pass by pass.)"""
+    most, so a decode sees its fastest: lowered alone, it would leave the wider widths priced dear against it, and
+    the schedule choosing narrower drafts, fewer tokens a forward, pass by pass.)"""
     stale = prices.stale() if prices is not None else None
     if stale is None:
         return

@@ -10,37 +10,17 @@ for compiled forwards that does not copy the shared key/value heads (`grouped_at
     use_grouped_attention(model)  # SDPA over the shared key/value heads, uncopied ("refusion_grouped")
 
 Why: PyTorch's `F.linear` on a CPU is MKL's GEMV for one row and its GEMM above, and in float32 a forward of two to
-sixteen queries costs up to twice a one-query forward. oneDNN with each weight reordered once into its own blocked
-layout (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linear_pointwise`: what inductor's
+sixteen queries costs markedly more than a one-query forward. oneDNN with each weight reordered once into its own
+blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linear_pointwise`: what inductor's
 weight freezing emits) prices those forwards nearer one row, and in bfloat16 on a CPU with AMX it beats
 `F.linear` at every width. What wins depends on the CPU; `packing_plan()` says what is packed where, from
-measurements of SmolLM2-135M's whole forward (ms; 2 threads; 120 cached tokens; fastest of 15, paths interleaved;
-ranges over three runs on the Intel machine; the AVX2 figures are an earlier probe's on that machine; Zen 4's fastest
-of 9, one run, eager, where about 24 ms of the one-query forward is outside the linear layers):
-
-| CPU | path | 1 q | 2 q | 4 q | 8 q | 16 q |
-| --- | --- | ---: | ---: | ---: | ---: | ---: |
-| AMD EPYC, AVX2 | float32 `F.linear` | 69-74 | 105-114 | 102-124 | 106-121 | |
-| | float32 oneDNN prepacked | 55-57 | 64-68 | 64-77 | 75-83 | |
-| Intel Xeon, AVX-512 + AMX | float32 `F.linear` | 50-54 | 62-65 | 86-96 | 107-115 | 112-132 |
-| | float32 oneDNN prepacked | 67-73 | 78-82 | 79-90 | 82-102 | 98-112 |
-| | bfloat16 `F.linear` | 58-62 | 64-68 | 63-65 | 62-70 | 72-80 |
-| | bfloat16 oneDNN prepacked | 48-52 | 56-61 | 58-61 | 53-64 | 61-68 |
-| AMD EPYC Zen 4, AVX-512 + AVX512-BF16, no AMX | float32 `F.linear` | 71 | 109 | 100 | 95 | 103 |
-| | float32 oneDNN prepacked | 46 | 57 | 51 | 55 | 65 |
-| | bfloat16 `F.linear` | 46 | 46 | 48 | 50 | 61 |
-| | bfloat16 oneDNN prepacked | 33 | 38 | 47 | 41 | 52 |
-
-A oneDNN call costs 15-30 us more than an `F.linear` one, which its float32 AVX-512 kernels repay only from about
-four rows.
+measurements of a small model's whole forward by width on CPUs of each kind (AVX2; AVX-512 with AMX; AVX-512 with
+AVX512-BF16 and no AMX), each path against `F.linear` in float32 and bfloat16. A oneDNN call has a fixed cost over an
+`F.linear` one, which its float32 AVX-512 kernels repay only from a few rows.
 
 Where oneDNN has no bfloat16 kernels (AVX2), a bfloat16 weight is packed as float32 and each input converted to it
-(`compute_dtype`). SmolLM2's whole bfloat16 forward over 120 cached tokens on the AVX2 CPU (ms, fastest of 7):
-
-| path | 1 q | 2 q | 4 q | 8 q | 16 q | 42 q (a prompt) | 64 q |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-| bfloat16 `F.linear` (emulated) | 40 | 57 | 85 | 143 | 257 | 631 | 949 |
-| bfloat16, float32 packs | 58 | 63 | 68 | 76 | 92 | 139 | 182 |
+(`compute_dtype`): `F.linear` in bfloat16 is emulated there and its cost grows about a row's time per row, where the
+float32 packs cost more for one row and grow slowly with the width.
 
 What stays the same: each switched layer keeps its parameter objects (its class becomes `PackedLinear`, an
 `nn.Linear` subclass with no new parameters or buffers), so parameter names, `state_dict()`, `save_pretrained`,
@@ -88,12 +68,12 @@ def _onednn_bfloat16() -> bool:
 
 def packing_plan() -> dict[torch.dtype, int]:
     """The weight dtypes `prepack_linears` packs by default on this machine, each with the fewest rows (tokens in a
-    forward) from which the packed kernel is used (fewer compute with `F.linear`), as measured (the module's
-    table): float32 from one row on AVX2 CPUs and from four on AVX-512 ones, whose MKL GEMV beats oneDNN below
-    that (on Intel's; measured on AMD's too, packing wins there from one row); bfloat16 from one row on CPUs with
-    bfloat16 arithmetic (AVX512-BF16 or AMX), and from four, packed as float32 (`compute_dtype`), on CPUs with
-    none, where `F.linear` in bfloat16 is emulated and costs about a row's time per row (a one-row product streams
-    half the bytes of float32 and stays with it). Empty without oneDNN."""
+    forward) from which the packed kernel is used (fewer compute with `F.linear`), as measured on CPUs of each kind (the
+    module's docstring): float32 from one row on AVX2 CPUs and from four on AVX-512 ones, whose MKL GEMV beats oneDNN
+    below that (on Intel's; measured on AMD's too, packing wins there from one row); bfloat16 from one row on CPUs with
+    bfloat16 arithmetic (AVX512-BF16 or AMX), and from four, packed as float32 (`compute_dtype`), on CPUs with none,
+    where `F.linear` in bfloat16 is emulated and costs about a row's time per row (a one-row product streams half the
+    bytes of float32 and stays with it). Empty without oneDNN."""
     if not onednn_available():
         return {}
     plan = {torch.float32: 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 1}
@@ -273,10 +253,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     materialize the same copies. One query: `enable_gqa=True`. Several: the query heads of each key/value head
     stacked along the query axis (`[batch, kv_heads, groups x queries, dim]`, the mask repeated for each), so that the
     kernel reads each key/value head once for all of them. The output of SDPA to float rounding; no attention weights
-    (None), as with SDPA. The attention of SmolLM2's 30 layers with their cache writes, compiled alone (bfloat16, AMX
-    CPU, 2 threads; benchmarks/results/smollm2-amx-2026-12-05/probes.md), 1 / 4 / 8 queries over 256 columns:
-    `enable_gqa` 0.63 / 1.52 / 1.62 ms, stacked 0.84 / 1.08 / 1.14; eager attention over the stacked heads (this
-    function before) took 1.70 / 2.06 ms at 1 / 4 queries in an earlier run of the probe."""
+    (None), as with SDPA. `enable_gqa` is the cheaper for one query and stacking for several, and either costs less
+    in compiled forwards than attention over the copied heads."""
     batch, heads, queries, dim = query.shape
     kv_heads, dropout = key.shape[1], dropout if module.training else 0.0
     groups = heads // kv_heads

@@ -4,21 +4,19 @@
         [--lookup_drafts 4] [--token_threshold 0.5] [--forward_prices '{"1": 1, "2": 1, "4": 1.34}'] [--profile 25]
 
 Per answer token ReFusion pays for its forwards and, between them, for its own decoding work: scoring the logits,
-deciding, copying drafts from the text, building the next queries and the attention mask. On the AVX2 CPU that work
-(2.9 ms a forward against about 0.4 for an AR step's argmax) is what kept ReFusion behind the fastest AR there
-(benchmarks/results/smollm2-avx2-2026-12-03-prompt). This times it alone and repeatably: a decode of held-out prompts
+deciding, copying drafts from the text, building the next queries and the attention mask. On a CPU that work can
+cost a forward several times what an AR step's argmax costs, enough to keep ReFusion behind the fastest AR (the
+records in benchmarks/results/README.md). This times it alone and repeatably: a decode of held-out prompts
 records the logits of every forward, then the same decode runs again with the recorded logits in place of the model
 (`generation_refusion.run_model`), so every decision is the same (the answers must be equal, or it stops) and the
 time is the decoder's own. The decode is greedy, batch 1, over the static cache, eager, with priced drafts at the
 given `--forward_prices` (no measuring; default: ratios measured on the AVX2 CPU) and the shipped settings otherwise;
 it is replayed with the decoder's step functions eager and compiled (as decodes through compiled forwards run them:
 `generation_refusion.StepFunctions`), interleaved.
-Prints milliseconds per forward and per answer token (fastest of `--repeats` replays), the ATen operations the
-decoder dispatches per forward (each a kernel launch or more on a GPU: on an NVIDIA H200, where the decode's forwards
-ran as CUDA graphs, the decoder's 311 operations a forward cost it 2.1-2.5 ms, about 7 microseconds each;
-benchmarks/results/smollm2-h200-2026-12-04), its calls of compiled step functions per forward (each a kernel or a
-few) and, with `--profile N`, the N functions of most own time in one replay with compiled step functions
-(cProfile).
+Prints milliseconds per forward and per answer token (fastest of `--repeats` replays), the ATen operations the decoder
+dispatches per forward (each a kernel launch or more on a GPU, paid even where the decode's forwards run as CUDA
+graphs), its calls of compiled step functions per forward (each a kernel or a few) and, with `--profile N`, the N
+functions of most own time in one replay with compiled step functions (cProfile).
 """
 
 import argparse

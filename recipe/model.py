@@ -67,12 +67,8 @@ def prepare_for_decoding(model: PreTrainedModel, kernels: bool = True, compiled:
     key/value heads as they are (`kernels_refusion.use_grouped_attention`: `enable_gqa` for one query, the query
     heads of each key/value head stacked for several). transformers' SDPA, given a mask, and
     its eager attention in inductor's graphs both copy every layer's keys and values once per query head, over every
-    column of the static cache: on the Zen 4 eager attention beat transformers' SDPA (SmolLM2 in bfloat16, frozen
-    saved forwards over 256 columns, 2 threads, one query 10.4-10.7 ms against 13.8-14.9), and eager attention over
-    the query heads stacked per key/value head beat both (9.6; benchmarks/results/smollm2-zen4-2026-12-04). On the
-    AMX Xeon that form still grew with the columns, SDPA over the uncopied heads much less: SmolLM2's frozen
-    one-query forward 12.6-13.1 ms against 14.4-15.0 over 256 columns, the AR's over 128 12.1-12.5 against 13.3-13.7
-    (benchmarks/results/smollm2-amx-2026-12-05/probes.md); the Zen 4 and AVX2 CPUs were not measured with it."""
+    column of the static cache, so that attention grows with the cache's columns; eager attention over the stacked
+    query heads grows with them too, SDPA over the uncopied heads much less."""
     if not kernels or model.device.type != "cpu":
         return 0
     if compiled:

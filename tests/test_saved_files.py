@@ -2,7 +2,8 @@
 beside it (the key it was built for, the sha256 of its bytes) before it loads, so that damaged bytes, another
 package put under its name or a missing digest mean a warning and a package compiled again, never wrong logits or a
 crash inside torch; and a build killed on the way leaves a folder that later decodes use, its partial file removed
-once stale. (The price file read back is tested in test_price_schedule.py.)"""
+once stale; where torch's package loader has no `boxed_run` (private), packages run through their public call. (The
+price file read back is tested in test_price_schedule.py.)"""
 
 import json
 import os
@@ -135,6 +136,37 @@ def test_a_package_without_its_digest_is_compiled_again_with_a_warning(saved, co
     assert_as_saved(saved, logits, outputs)
     assert caplog.text.count("has no digest beside it") == 1 and f"The saved step {step} " in caplog.text
     assert len(compiles) == 1 and digest_path(step).exists()
+
+
+def test_without_the_loader_s_private_boxed_run_packages_run_through_their_public_call_with_one_warning(
+    saved, compiles, monkeypatch, caplog
+):
+    """`boxed_run` is a private hook of AOTInductor's package loader (`PackageRunner`): where a torch renames it, the
+    saved forward and step run through their packages' public calls (a forward's keys and values as lists), give
+    what they gave, and a process says so once. Where the loader has it, the runner is the loader itself."""
+    assert isinstance(generation_refusion.load_package(saved["step"]), torch._C._aoti.AOTIModelPackageLoader)
+    load = torch._inductor.aoti_load_package
+
+    class Hidden:
+        """A loaded package whose loader has no `boxed_run`: its public call only."""
+
+        def __init__(self, path: str):
+            self.compiled, self.loader, self.calls = load(path), object(), 0
+
+        def __call__(self, *arguments):
+            self.calls += 1
+            return self.compiled(*arguments)
+
+    loaded = []
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: loaded.append(Hidden(path)) or loaded[-1])
+    monkeypatch.setattr(generation_refusion.PackageRunner, "warned", False)
+    for _ in range(2):  # (loaded again: one warning a process all the same)
+        logits, outputs = run_saved(saved["model"], saved["folder"])
+        assert_as_saved(saved, logits, outputs)
+    assert sorted(package.calls for package in loaded) == [1, 1, 2, 2]  # each run: the step once, the forward twice
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "without the loader's `boxed_run`" in warnings[0].getMessage()
+    assert not compiles
 
 
 LOAD_STEP = """
