@@ -109,8 +109,12 @@ REFUSED_OPTIONS = {
     "token_healing": (None, False),
     "use_mtp": (None, False),
     "low_memory": (None, False),
+    "prefill_chunk_size": (None,),
 }
-REFUSED_HINTS = {"prompt_lookup_num_tokens": "its own drafts copied from the text are `lookup_drafts`"}
+REFUSED_HINTS = {
+    "prompt_lookup_num_tokens": "its own drafts copied from the text are `lookup_drafts`",
+    "prefill_chunk_size": "the prompt is one forward",
+}
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")  # `generate(cache_implementation=...)`: None means "dynamic"
 # Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
 # a bounded number of graphs. Wider forwards (a long plan) run eagerly over the same static cache, and so does the

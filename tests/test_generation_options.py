@@ -6,6 +6,8 @@ import torch
 from test_generation import PROMPT, sharpened_model
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+import generation_refusion
+
 SETTINGS = dict(max_new_tokens=16, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, pad_token_id=0)
 LENGTH = PROMPT.shape[1]
 
@@ -161,3 +163,52 @@ def test_a_generation_config_without_use_cache_decodes_with_the_cache(model):
         del model.forward
     assert torch.equal(results[None][0], results[False][0])
     assert results[None][1] == results[True][1] < results[False][1] / 2
+
+
+# Every option of transformers' GenerationConfig, by what slot decoding does with it; an option transformers adds
+# fails the test below until it is placed here (and honoured, refused or shown inert).
+HONOURED = {
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "max_time", "stop_strings", "do_sample",
+    "num_return_sequences", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "top_h", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "renormalize_logits", "eos_token_id", "pad_token_id", "use_cache",
+    "cache_implementation", "compile_config", "disable_compile", "max_cache_len", "cache_config",
+    "return_dict_in_generate",
+}  # fmt: skip
+INERT = {  # read only by decoding modes slot decoding refuses (assisted decoding, prompt lookup), or not by generate()
+    "assistant_confidence_threshold", "assistant_early_exit", "assistant_ensemble_weight", "assistant_lookbehind",
+    "target_lookbehind", "num_assistant_tokens", "num_assistant_tokens_schedule", "is_assistant",
+    "max_matching_ngram_size", "speculation_type", "continuous_batching_config", "bos_token_id",
+    "decoder_start_token_id", "_from_model_config", "transformers_version",
+}  # fmt: skip
+
+
+def test_every_option_transformers_knows_is_honoured_refused_or_inert():
+    options = set(GenerationConfig().to_dict())
+    placed = HONOURED | INERT | set(generation_refusion.REFUSED_OPTIONS)
+    assert options <= placed, f"options slot decoding has not placed: {sorted(options - placed)}"
+    assert not (HONOURED | INERT) & set(generation_refusion.REFUSED_OPTIONS)
+
+
+def test_every_logits_processor_transformers_builds_is_built_here_too(model):
+    """transformers' own builder (`_get_logits_processor`) and this decoder's, for a config that sets every option
+    that makes a processor: the same processors, so none is skipped without a word."""
+    options = dict(
+        sequence_bias={(7,): 1.0}, repetition_penalty=1.2, no_repeat_ngram_size=3, bad_words_ids=[[9]], min_length=3,
+        min_new_tokens=2, forced_bos_token_id=5, forced_eos_token_id=6, remove_invalid_values=True,
+        exponential_decay_length_penalty=(4, 1.1), suppress_tokens=[8], begin_suppress_tokens=[10],
+        renormalize_logits=True, do_sample=True, temperature=0.7, top_h=0.9, top_k=5, top_p=0.9, min_p=0.05,
+        typical_p=0.9, epsilon_cutoff=0.01, eta_cutoff=0.01, eos_token_id=[2], pad_token_id=0, max_new_tokens=8,
+    )  # fmt: skip
+    config = GenerationConfig(**options)
+    model._prepare_special_tokens(config, device="cpu")
+    theirs = model._get_logits_processor(config, input_ids_seq_length=LENGTH, device="cpu")
+    settings, merged = generation_refusion.resolve_settings(model, None, LENGTH, dict(options))
+    ours = generation_refusion.build_logits_processors(merged, settings, LENGTH, "cpu")
+    assert sorted(type(each).__name__ for each in theirs) == sorted(type(each).__name__ for each in ours)
+
+
+def test_prefilling_in_chunks_is_refused(model):
+    with pytest.raises(ValueError, match="prefill_chunk_size=16 .the prompt is one forward"):
+        model.generate(PROMPT, **SETTINGS, prefill_chunk_size=16)
