@@ -2157,6 +2157,12 @@ class SlotCache(Cache):
             return layer.keys[:, :, : self.window], layer.values[:, :, : self.window]
         return layer.keys, layer.values
 
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "lock"}  # (a copy gets a lock of its own)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, lock=threading.Lock())
+
     @contextlib.contextmanager
     def claimed(self):
         """Hold the cache for one decode: a model keeps its compiled decodes' cache, and two threads decoding with it

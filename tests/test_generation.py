@@ -385,5 +385,7 @@ def test_a_kept_static_cache_is_used_by_one_decode_at_a_time(model):
             with cache.claimed():
                 pass
     with cache.claimed():  # released
-        pass
+        twin = copy.deepcopy(model)  # a copy of a model holding its cache (and of the cache): a lock of its own
+        with twin._refusion_slot_cache.claimed():
+            assert torch.equal(twin._refusion_slot_cache.layers[0].keys, cache.layers[0].keys)
     del model._refusion_slot_cache
