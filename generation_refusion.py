@@ -494,7 +494,7 @@ def resolve_settings(
 
     for name in ("max_new_tokens", "max_length"):
         value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and not whole(value):
             raise ValueError(f"{name} must be a whole number of tokens, got {value!r}.")
     max_new_tokens = config.max_new_tokens
     if max_new_tokens is None:
@@ -532,6 +532,13 @@ def resolve_settings(
     return settings, config
 
 
+def whole(value, low: int | None = None, high: int | None = None) -> bool:
+    """Whether `value` is an int (not a bool) in `[low, high)` (either bound left out when None)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return (low is None or value >= low) and (high is None or value < high)
+
+
 TOKEN_OPTIONS = ("eos_token_id", "pad_token_id", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
                  "begin_suppress_tokens")  # fmt: skip
 
@@ -543,10 +550,10 @@ def check_token_options(config: GenerationConfig, vocabulary: int) -> None:
     for name in TOKEN_OPTIONS:
         value = getattr(config, name, None)
         ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(id_, bool) or not isinstance(id_, int) or not 0 <= id_ < vocabulary for id_ in ids):
+        if not all(whole(id_, 0, vocabulary) for id_ in ids):
             raise ValueError(f"{name} must hold token ids in [0, {vocabulary}), got {value!r}.")
     count = config.num_return_sequences
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+    if count is not None and not whole(count, 1):
         raise ValueError(f"num_return_sequences must be a positive whole number, got {count!r}.")
 
 
@@ -565,7 +572,7 @@ def checked_mask_token_id(model, config: GenerationConfig, kwargs: dict) -> int:
             "drafts at: drop it, or fix the one that is wrong."
         )
     rows = model.get_input_embeddings().num_embeddings
-    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < rows:
+    if not whole(given, 0, rows):
         raise ValueError(f"mask_token_id must be a token id in [0, {rows}), got {given!r}.")
     return given
 
@@ -584,7 +591,7 @@ def checked_max_cache_len(config: GenerationConfig, cache_implementation: str) -
         return None
     if cache_implementation != "static" or config.use_cache is False:
         raise ValueError(f"max_cache_len={max_cache_len!r} sizes the static cache: pass cache_implementation='static'.")
-    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+    if not whole(max_cache_len, 1):
         raise ValueError(f"max_cache_len must be a positive whole number of tokens, got {max_cache_len!r}.")
     return max_cache_len
 
