@@ -11,9 +11,9 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 try:
-    from .generation_refusion import SUPPORTED_BACKBONES  # each one is covered by the tests
+    from .settings_refusion import SUPPORTED_BACKBONES
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
-    from generation_refusion import SUPPORTED_BACKBONES
+    from settings_refusion import SUPPORTED_BACKBONES
 
 DEFAULT_AUTO_MAP = {
     "AutoConfig": "configuration_refusion.RefusionConfig",

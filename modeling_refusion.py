@@ -24,14 +24,16 @@ from transformers.utils import ModelOutput
 
 try:
     from .configuration_refusion import RefusionConfig
-    from .generation_refusion import RefusionGenerateOutput, check_model, documents_settings, write_custom_generate
+    from .generation_refusion import RefusionGenerateOutput, write_custom_generate
     from .generation_refusion import generate as slot_generate
     from .kernels_refusion import prepack_linears, unpack_linears, use_grouped_attention
+    from .settings_refusion import check_model, documents_settings
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from configuration_refusion import RefusionConfig
-    from generation_refusion import RefusionGenerateOutput, check_model, documents_settings, write_custom_generate
+    from generation_refusion import RefusionGenerateOutput, write_custom_generate
     from generation_refusion import generate as slot_generate
     from kernels_refusion import prepack_linears, unpack_linears, use_grouped_attention
+    from settings_refusion import check_model, documents_settings
 
 IGNORE_INDEX = -100
 

@@ -1,4 +1,4 @@
-"""ReFusion for the Hugging Face ecosystem: the three Hub model files plus the `finetune` package."""
+"""ReFusion for the Hugging Face ecosystem: the Hub model files plus the `finetune` package."""
 
 from pathlib import Path
 
@@ -21,7 +21,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    py_modules=["configuration_refusion", "modeling_refusion", "generation_refusion", "kernels_refusion"],
+    py_modules=[path.stem for path in Path(__file__).parent.glob("*_refusion.py")],  # the Hub files
     packages=find_packages(include=["finetune", "finetune.*", "refusion_eval", "recipe"]),
     # The default model's recipe configs, adapter, distilled data and training history, so that an installed
     # (not only editable) package runs the demo.

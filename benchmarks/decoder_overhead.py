@@ -8,11 +8,11 @@ deciding, copying drafts from the text, building the next queries and the attent
 cost a forward several times what an AR step's argmax costs, enough to keep ReFusion behind the fastest AR (the
 records in benchmarks/results/README.md). This times it alone and repeatably: a decode of held-out prompts
 records the logits of every forward, then the same decode runs again with the recorded logits in place of the model
-(`generation_refusion.run_model`), so every decision is the same (the answers must be equal, or it stops) and the
+(`executor_refusion.run_model`), so every decision is the same (the answers must be equal, or it stops) and the
 time is the decoder's own. The decode is greedy, batch 1, over the static cache, eager, with priced drafts at the
 given `--forward_prices` (no measuring; default: ratios measured on the AVX2 CPU) and the shipped settings otherwise;
 it is replayed with the decoder's step functions eager and compiled (as decodes through compiled forwards run them:
-`generation_refusion.StepFunctions`), interleaved.
+`decisions_refusion.StepFunctions`), interleaved.
 Prints milliseconds per forward and per answer token (fastest of `--repeats` replays), the ATen operations the decoder
 dispatches per forward (each a kernel launch or more on a GPU, paid even where the decode's forwards run as CUDA
 graphs), its calls of compiled step functions per forward (each a kernel or a few) and, with `--profile N`, the N
@@ -43,22 +43,22 @@ AVX2_PRICES = {1: 1.0, 2: 0.93, 4: 1.34, 8: 2.38, 16: 6.2, 32: 12.1, 64: 24.1}
 @contextmanager
 def model_calls(model, call, compiled_steps: bool = False, counter: "CountedOperations | None" = None):
     """Within it, the decoder of `model` runs its forwards through `call(run_model, *arguments)`, and its step
-    functions (`generation_refusion.StepFunctions`) compiled where `compiled_steps`, as decodes through compiled
+    functions (`decisions_refusion.StepFunctions`) compiled where `compiled_steps`, as decodes through compiled
     forwards run them, else eagerly, as the eager forwards here would have them; with a `counter`, each call of a
     compiled step function counts as one and runs outside it (dynamo compiles nothing under a dispatch mode)."""
-    module = decoder_module(model)
-    run_model, step_functions = module.run_model, module.step_functions
+    entry, executor = decoder_module(model), decoder_module(model, "executor_refusion")
+    run_model, step_functions = executor.run_model, entry.step_functions
     steps = step_functions(compiled_steps)
     if counter is not None and compiled_steps:
         steps = dataclasses.replace(steps, **{
             field.name: counter.outside(getattr(steps, field.name)) for field in dataclasses.fields(steps)
         })  # fmt: skip
-    module.run_model = lambda *arguments: call(run_model, *arguments)
-    module.step_functions = lambda compiled: steps
+    executor.run_model = lambda *arguments: call(run_model, *arguments)
+    entry.step_functions = lambda compiled: steps
     try:
         yield
     finally:
-        module.run_model, module.step_functions = run_model, step_functions
+        executor.run_model, entry.step_functions = run_model, step_functions
 
 
 def recorded(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, compiled_steps: bool = False,

@@ -7,7 +7,7 @@ ReFusion beats autoregressive decoding when tokens per forward exceed the price 
 an AR one. This measures that price. For each dtype and number of new tokens (queries) after a cache of `--cache`
 tokens, the median time of:
 
-- the decoder's call: the 4-D storage-order mask built by `generation_refusion.attention_mask` (its cost
+- the decoder's call: the 4-D storage-order mask built by `decisions_refusion.attention_mask` (its cost
   included, as the decoder pays it), position ids, the cache, `logits_to_keep` (ReFusion's forward);
 - the plain causal call of autoregressive decoding: the base model with a 2-D mask and the cache.
 
@@ -35,18 +35,10 @@ from pathlib import Path
 import torch
 from transformers import CompileConfig, DynamicCache, PreTrainedModel, StaticCache
 
+from compiling_refusion import compiled_backbone
+from decisions_refusion import NO_GROUP, attention_mask
+from executor_refusion import WIDTH_BUCKETS, SlotCache, StaticLayout, pad_width, run_model, width_buckets
 from finetune.chat import prompt_token_ids
-from generation_refusion import (
-    NO_GROUP,
-    WIDTH_BUCKETS,
-    SlotCache,
-    StaticLayout,
-    attention_mask,
-    compiled_backbone,
-    pad_width,
-    run_model,
-    width_buckets,
-)
 from kernels_refusion import packing_plan, prepack_linears
 from recipe.decoding import compile_mode, compiled_graphs, decode, synchronize
 from recipe.evaluate import benchmark_prompts

@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.settings import generation_config, shipped
 from finetune.chat import prompt_token_ids
-from generation_refusion import ForwardPrices
+from prices_refusion import ForwardPrices
 from recipe.decoding import (
     compile_mode,
     compile_refusion,

@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.settings import WHOLE_SLOTS, generation_config, setting, shipped
-from generation_refusion import DECODING_FIELDS
 from recipe.decoding import (
     DecodeRun,
     compile_mode,
@@ -52,6 +51,7 @@ from recipe.evaluate import Evaluation, fastest, speed
 from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
 from recipe.prompts import PROMPT_SETS
 from recipe.report import cell, write_results
+from settings_refusion import DECODING_FIELDS
 
 GRID = {  # name -> a whole decoding setting: the whole-slot fast rule changed as the name says, and what ships
     "shipped default": shipped(),  # the recipe config's `decoding` section (recipe/smollm2.yaml), as it is now

@@ -1,4 +1,4 @@
-"""The decoding settings the benchmarks name, each one whole: every field of `generation_refusion.DECODING_FIELDS`.
+"""The decoding settings the benchmarks name, each one whole: every field of `settings_refusion.DECODING_FIELDS`.
 
 A named setting is fixed where it is defined (`setting(base, **changes)`), so a row of a benchmark means the same
 thing whatever the shipped model's defaults are; only `shipped()` follows the recipe config's `decoding` section,
@@ -10,8 +10,8 @@ import copy
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from generation_refusion import DECODING_DEFAULTS, DECODING_FIELDS
 from recipe.model import shipped_decoding
+from settings_refusion import DECODING_DEFAULTS, DECODING_FIELDS
 
 
 def setting(base: dict, **changes) -> dict:

@@ -21,15 +21,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from configuration_refusion import RefusionConfig
 from finetune.files import check_output_dir, staged_output
-from generation_refusion import (
-    DECODING_FIELDS,
-    DECODING_SETTINGS,
-    SUPPORTED_ATTENTION,
-    DecodingSetting,
-    check_decoding,
-    write_custom_generate,
-)
+from generation_refusion import write_custom_generate
 from modeling_refusion import RefusionForCausalLM
+from settings_refusion import DECODING_FIELDS, DECODING_SETTINGS, SUPPORTED_ATTENTION, DecodingSetting, check_decoding
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +105,7 @@ def convert_to_refusion(
     missing (its row: `mask_init`, the mean embedding or a random draw), and an existing row is never changed. The
     converted generation config decodes greedily unless `do_sample=True` is passed, since ReFusion's thresholds are
     defined on greedy drafts. `kwargs` set decoding defaults written to the generation config (the parameters of
-    `generation_refusion.DECODING_SETTINGS`) and `RefusionConfig`
+    `settings_refusion.DECODING_SETTINGS`) and `RefusionConfig`
     fields (`train_slot_sizes`, `mask_eps`, `mdm_loss_weight`). On ordinary left-to-right input the result computes
     the same logits as the base model over the base vocabulary.
     """

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from generation_refusion import settings_table
+from settings_refusion import settings_table
 
 PAPER = "https://arxiv.org/abs/2512.13586"
 CITATION = """@inproceedings{li2026refusion,

@@ -15,6 +15,7 @@ the AR whose step costs what ReFusion's one-query forward costs.
 machine that is the comparison that holds still.
 """
 
+import importlib
 import statistics
 import sys
 import time
@@ -26,8 +27,10 @@ from types import ModuleType
 import torch
 from transformers import CompileConfig, GenerationConfig, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
+import compiling_refusion
+import executor_refusion
 import generation_refusion
-from generation_refusion import DECODING_DEFAULTS
+from settings_refusion import DECODING_DEFAULTS
 
 SOURCES = ("plan", "redraft")  # rows of the decoder's acceptance counts
 
@@ -243,17 +246,22 @@ def compiled_refusion(
     return {"cache_implementation": "static", "compile_config": config, **saved}
 
 
-def decoder_module(model: PreTrainedModel) -> ModuleType:
+def decoder_module(model: PreTrainedModel, name: str | None = None) -> ModuleType:
     """The module of the ReFusion decoder `model.generate()` runs: a loaded folder's `custom_generate/generate.py`
     (transformers binds its `generate` to the instance), the `generation_refusion` a remote-code model class imports,
-    or this package's. Its static cache and compiled forwards are the ones `generate()` reuses."""
+    or this package's; with a `name` ("compiling_refusion", ...), that sibling module of it. Its static cache and
+    compiled forwards are the ones `generate()` reuses."""
     generate = model.generate
     function = (
         generate.func
         if isinstance(generate, partial)
         else getattr(sys.modules[type(model).__module__], "slot_generate", None)
     )
-    return sys.modules[function.__module__] if function is not None else generation_refusion
+    entry = sys.modules[function.__module__] if function is not None else generation_refusion
+    if name is None:
+        return entry
+    package = entry.__name__.rpartition(".")[0]
+    return importlib.import_module(f"{package}.{name}" if package else name)
 
 
 def compile_refusion(
@@ -272,18 +280,18 @@ def compile_refusion(
     draft schedule of `generation_config`, the model's by default), and the copying of `lookup_drafts` drafts (default:
     the config's) where there is any, so that the timed decode compiles nothing; returns the seconds it took (the
     one-off compile time; with `compile_cache_dir`, loading what is kept there)."""
-    decoder = decoder_module(model)
+    compiling, executor = decoder_module(model, "compiling_refusion"), decoder_module(model, "executor_refusion")
     config = generation_config or model.generation_config
     slot_size = getattr(config, "slot_size", None) or DECODING_DEFAULTS["slot_size"]
     block_length = getattr(config, "block_length", None) or DECODING_DEFAULTS["block_length"]
     block_length = -(-block_length // slot_size) * slot_size
-    columns = decoder.static_cache_columns(max(map(len, prompts)), max_new_tokens, slot_size, block_length)
+    columns = executor.static_cache_columns(max(map(len, prompts)), max_new_tokens, slot_size, block_length)
     synchronize(model.device)
     started = time.perf_counter()
     schedule = draft_schedule or getattr(config, "draft_schedule", None) or DECODING_DEFAULTS["draft_schedule"]
     lookup = getattr(config, "lookup_drafts", 0) if lookup_drafts is None else lookup_drafts
     copying = {"lookup_drafts": lookup} if lookup else {}  # (a folder's older decoder module does not take it)
-    decoder.compile_forwards(
+    compiling.compile_forwards(
         model, compile_config, min(batch_size, len(prompts)), columns, schedule, compile_cache_dir, **copying
     )
     synchronize(model.device)
@@ -383,7 +391,7 @@ def decode_static_ar(
     (`compiled_refusion(freeze=True)`) it is the frozen AR that transformers' compiled `generate()` cannot give (its
     static cache write fails under freezing), so frozen ReFusion has a like-for-like reference.
 
-    The prompt runs as ReFusion's first forward does (`generation_refusion.prompt_runs_eagerly`): eagerly at its own
+    The prompt runs as ReFusion's first forward does (`executor_refusion.prompt_runs_eagerly`): eagerly at its own
     width, or through the compiled backbone padded on the right to a width bucket (the padding's keys and values go
     to the columns after the prompt, which the steps overwrite before they see them). Then each step feeds the last
     token as one query at the next cache column and RoPE position, the output layer as in ReFusion's forwards
@@ -394,15 +402,15 @@ def decode_static_ar(
     stop_ids = stop_token_ids(model, tokenizer, eos_token_id)
     stop = torch.tensor(sorted(stop_ids), device=model.device)
     needed = max_cache_len or max(len(prompt) for prompt in prompts) + max_new_tokens
-    cache = generation_refusion.slot_cache(model, 1, needed)
+    cache = executor_refusion.slot_cache(model, 1, needed)
     columns = torch.arange(cache.max_cache_len, device=model.device)
     causal = additive_mask(columns[None, :] <= columns[:, None], model.dtype)  # row i: the query at column i
     compiled = None
     if compile_config is not None:
-        compiled = generation_refusion.compiled_backbone(model, compile_config, compile_cache_dir)
+        compiled = compiling_refusion.compiled_backbone(model, compile_config, compile_cache_dir)
 
     def window(needed: int, width: int) -> int:  # the key window a forward attends over, as ReFusion's do
-        return generation_refusion.key_window(needed, width, cache.max_cache_len)
+        return executor_refusion.key_window(needed, width, cache.max_cache_len)
 
     answers, seconds, forwards = [], 0.0, 0
     for prompt in prompts:
@@ -413,14 +421,14 @@ def decode_static_ar(
         begin = time.perf_counter()
         length = len(prompt)
         ids = torch.tensor([prompt], device=model.device)
-        buckets = generation_refusion.WIDTH_BUCKETS
-        width = generation_refusion.pad_width(length, buckets)
+        buckets = executor_refusion.WIDTH_BUCKETS
+        width = executor_refusion.pad_width(length, buckets)
         in_graph = compiled is not None and width <= min(buckets[-1], cache.max_cache_len)
-        if in_graph and not generation_refusion.prompt_runs_eagerly(model, compiled, cache, length, buckets):
+        if in_graph and not executor_refusion.prompt_runs_eagerly(model, compiled, cache, length, buckets):
             cache.columns = columns[None, :width]
             cache.window = window(width, width)
             padded = dict(ids=torch.nn.functional.pad(ids, (0, width - length)), positions=cache.columns)
-            logits = generation_refusion.run_model(model, compiled, padded, causal[:, :, :width, : cache.window],
+            logits = executor_refusion.run_model(model, compiled, padded, causal[:, :, :width, : cache.window],
                                                    cache, width - length + 1)[:, :1]  # fmt: skip
         else:
             cache.columns = columns[None, :length]
@@ -441,7 +449,7 @@ def decode_static_ar(
                                use_cache=True, logits_to_keep=1).logits  # fmt: skip
             else:
                 step = dict(ids=token, positions=cache.columns)
-                logits = generation_refusion.run_model(model, compiled, step, mask, cache, 1)
+                logits = executor_refusion.run_model(model, compiled, step, mask, cache, 1)
             length += 1
         synchronize(model.device)
         seconds += time.perf_counter() - begin

@@ -13,13 +13,13 @@ left-to-right forward, which conversion leaves equal to the base model's.
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from generation_refusion import DECODING_FIELDS, SETTING, check_decoding
+from settings_refusion import DECODING_FIELDS, SETTING, check_decoding
 
 
 @register_model("refusion")
 class RefusionLM(HFLM):
     """`HFLM` whose generation uses ReFusion plan-and-infill decoding with the decoding parameters given in
-    `model_args` (any of `generation_refusion.DECODING_SETTINGS`, e.g. `infill_mode=reference,draft_window=none`);
+    `model_args` (any of `settings_refusion.DECODING_SETTINGS`, e.g. `infill_mode=reference,draft_window=none`);
     the others come from the model's generation config."""
 
     def __init__(self, pretrained, **kwargs):

@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.chat import prompt_token_ids
 from finetune.convert import save_refusion
-from generation_refusion import DECODING_FIELDS
 from recipe.decoding import (
     compile_mode,
     compile_refusion,
@@ -36,6 +35,7 @@ from recipe.decoding import (
     decode_compiled_ar,
 )
 from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, with_adapter
+from settings_refusion import DECODING_FIELDS
 
 PROMPTS = [  # from the recipe's held-out split: never trained on
     "What is the capital of Japan?",

@@ -1,4 +1,4 @@
-"""Write the decoding parameter table (from `generation_refusion.DECODING_SETTINGS`) into README.md.
+"""Write the decoding parameter table (from `settings_refusion.DECODING_SETTINGS`) into README.md.
 
     python scripts/settings_table.py [README.md]
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from generation_refusion import settings_table  # noqa: E402
+from settings_refusion import settings_table
 
 BEGIN, END = "<!-- decoding-settings:begin -->", "<!-- decoding-settings:end -->"
 

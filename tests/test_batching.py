@@ -72,7 +72,8 @@ def test_batched_cached_decoding_equals_the_recomputed_reference(model):
 def test_a_forwards_fields_are_each_row_left_padded_to_the_width():
     """`padded_batch`: each row's request left-padded with the padding column to the forward's width (a row without a
     request is padding only); one row at its own width gives its fields as they are."""
-    from generation_refusion import FIELDS, PADDING, Request, padded_batch, upload
+    from decoder_refusion import FIELDS, PADDING, Request, upload
+    from executor_refusion import padded_batch
 
     padding = upload(list(PADDING.values()), "cpu")[:, None]
     one = Request(torch.arange(18).view(6, 3), num_queries=2)
@@ -91,7 +92,7 @@ def test_a_forwards_fields_are_each_row_left_padded_to_the_width():
 
 def test_host_lists_go_to_the_device_as_long_tensors():
     """`upload`: a flat list of ints (negative ones too; an empty list) as a 1-D long tensor that owns its values."""
-    from generation_refusion import upload
+    from decoder_refusion import upload
 
     values = [3, -1, 0, 2**40, True]
     tensor = upload(values, "cpu")

@@ -15,10 +15,10 @@ from benchmarks import decode as decode_benchmark
 from benchmarks.settings import WHOLE_SLOTS, generation_config, setting, shipped
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion
-from generation_refusion import DECODING_DEFAULTS, DECODING_FIELDS
 from recipe.decoding import decode
 from recipe.model import shipped_decoding
 from recipe.report import cell, write_results
+from settings_refusion import DECODING_DEFAULTS, DECODING_FIELDS
 
 PROMPTS = ["What is the capital of France?", "Explain rain to me."]
 

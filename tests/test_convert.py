@@ -19,8 +19,8 @@ from transformers import GenerationConfig
 from finetune.convert import convert_to_refusion, main, save_refusion
 from finetune.files import STAGING, publish
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
-from generation_refusion import DECODING_DEFAULTS
 from modeling_refusion import RefusionForCausalLM
+from settings_refusion import DECODING_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_FILES = {"configuration_refusion.py", "modeling_refusion.py"}

@@ -7,7 +7,7 @@ import torch
 from test_batching import PROMPTS, left_padded
 from test_generation import PROMPT, check_well_formed, sharpened_model
 
-from generation_refusion import warm_up_steps
+from compiling_refusion import warm_up_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SETTINGS = dict(slot_size=4, slot_threshold=0.5, token_threshold=0.4, eos_token_id=[], pad_token_id=0)

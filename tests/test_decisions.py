@@ -2,7 +2,7 @@
 
 import torch
 
-from generation_refusion import (
+from decisions_refusion import (
     accept_and_correct,
     accept_reference,
     accepted_lengths,

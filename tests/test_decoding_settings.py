@@ -15,7 +15,8 @@ from test_generation import PROMPT, sharpened_model
 
 from finetune.convert import parse_args
 from finetune.model_card import TrainingSummary, render_model_card
-from generation_refusion import (
+from modeling_refusion import RefusionForCausalLM
+from settings_refusion import (
     DECODING_DEFAULTS,
     DECODING_FIELDS,
     DECODING_SETTINGS,
@@ -23,7 +24,6 @@ from generation_refusion import (
     check_decoding,
     settings_table,
 )
-from modeling_refusion import RefusionForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = dict(

@@ -7,7 +7,8 @@ from oracle import oracle_run
 from test_batching import PROMPTS, left_padded
 from test_generation import PROMPT, sharpened_model
 
-from generation_refusion import accept_and_correct, check_decoding
+from decisions_refusion import accept_and_correct
+from settings_refusion import check_decoding
 
 T = torch.tensor
 SETTINGS = dict(block_length=32, slot_threshold=0.8, token_threshold=0.3)

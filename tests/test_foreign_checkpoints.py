@@ -13,6 +13,7 @@ from hub_user import run_as_hub_user
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import GenerationConfig
 
+from compiling_refusion import DECODING_FILES
 from finetune.convert import convert_to_refusion, main, save_refusion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +50,11 @@ def authors_checkpoint(tmp_path_factory) -> Path:
 def converted(authors_checkpoint, tmp_path_factory):
     model, tokenizer = convert_to_refusion(authors_checkpoint)
     folder = tmp_path_factory.mktemp("converted")
-    return model, tokenizer, save_refusion(model, tokenizer, folder / "refusion"), save_refusion(
-        model, tokenizer, folder / "native", format="native"
+    return (
+        model,
+        tokenizer,
+        save_refusion(model, tokenizer, folder / "refusion"),
+        save_refusion(model, tokenizer, folder / "native", format="native"),
     )
 
 
@@ -70,6 +74,10 @@ def test_every_saved_folder_carries_the_decoder_byte_for_byte(converted):
     source = (ROOT / "generation_refusion.py").read_bytes()
     for folder in (refusion, native):
         assert (folder / "custom_generate" / "generate.py").read_bytes() == source
+        for name in DECODING_FILES:  # the modules it imports, beside it
+            assert (folder / "custom_generate" / name).read_bytes() == (ROOT / name).read_bytes()
+    for name in ("generation_refusion.py", *DECODING_FILES):  # and the remote-code model's own copy
+        assert (refusion / name).read_bytes() == (ROOT / name).read_bytes()
 
 
 def test_native_export_is_the_backbones_own_config(converted):

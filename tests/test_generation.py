@@ -10,9 +10,15 @@ import torch
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import DynamicCache
 
+import compiling_refusion
+import decisions_refusion
+import executor_refusion
 import generation_refusion
+from decisions_refusion import attention_mask
+from decoder_refusion import SlotDecoder
+from executor_refusion import execute
 from finetune.convert import convert_to_refusion
-from generation_refusion import DECODING_DEFAULTS, SlotDecoder, attention_mask, execute, resolve_settings
+from settings_refusion import DECODING_DEFAULTS, resolve_settings
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
@@ -280,16 +286,16 @@ def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model,
         return_dict_in_generate=True, **options,
     )  # fmt: skip
     calls = []
-    scored, whole = generation_refusion.greedy_distributions, generation_refusion.score_infill
-    verify, plan = generation_refusion.score_verify, generation_refusion.score_plan
+    scored, whole = decisions_refusion.greedy_distributions, decisions_refusion.score_infill
+    verify, plan = decisions_refusion.score_verify, decisions_refusion.score_plan
     counted = dataclasses.replace(
-        generation_refusion.EAGER_STEPS,
+        decisions_refusion.EAGER_STEPS,
         greedy_distributions=lambda *args: calls.append("rows") or scored(*args),
         score_infill=lambda *args: calls.append("round") or whole(*args),
         score_verify=lambda *args: calls.append("verify") or verify(*args),
         score_plan=lambda *args: calls.append("plan") or plan(*args),
     )
-    monkeypatch.setattr(generation_refusion, "EAGER_STEPS", counted)
+    monkeypatch.setattr(compiling_refusion, "EAGER_STEPS", counted)  # (`step_functions` hands it out)
     at_once = model.generate(PROMPT, **settings)
     assert len(calls) == at_once.num_forward_passes
     fast_rounds = options["slot_size"] > 1 and options.get("infill_mode") != "reference"
@@ -350,7 +356,7 @@ def test_slots_longer_than_the_answer_are_cut_to_it(model, slot_size):
 
 
 def test_a_static_cache_is_sized_by_max_cache_len_and_released_after_an_eager_decode(model, monkeypatch):
-    sizes, make = [], generation_refusion.slot_cache
+    sizes, make = [], executor_refusion.slot_cache
 
     def recorded(*args, **kwargs):
         cache = make(*args, **kwargs)
@@ -379,7 +385,7 @@ def test_threads_decoding_one_model_with_the_static_cache_each_get_their_own_ans
 def test_a_kept_static_cache_is_used_by_one_decode_at_a_time(model):
     """A compiled decode keeps its cache on the model for the next; a second decode over it at the same time (another
     thread) is refused rather than overwriting its keys and values."""
-    cache = generation_refusion.slot_cache(model, 1, 64)
+    cache = executor_refusion.slot_cache(model, 1, 64)
     with cache.claimed():
         with pytest.raises(RuntimeError, match="already decoding over its static cache in another thread"):
             with cache.claimed():

@@ -6,7 +6,7 @@ import torch
 from test_generation import PROMPT, sharpened_model
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-import generation_refusion
+import settings_refusion
 
 SETTINGS = dict(max_new_tokens=16, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, pad_token_id=0)
 LENGTH = PROMPT.shape[1]
@@ -186,9 +186,9 @@ INERT = {  # read only by decoding modes slot decoding refuses (assisted decodin
 
 def test_every_option_transformers_knows_is_honoured_refused_or_inert():
     options = set(GenerationConfig().to_dict())
-    placed = HONOURED | INERT | set(generation_refusion.REFUSED_OPTIONS)
+    placed = HONOURED | INERT | set(settings_refusion.REFUSED_OPTIONS)
     assert options <= placed, f"options slot decoding has not placed: {sorted(options - placed)}"
-    assert not (HONOURED | INERT) & set(generation_refusion.REFUSED_OPTIONS)
+    assert not (HONOURED | INERT) & set(settings_refusion.REFUSED_OPTIONS)
 
 
 def test_every_logits_processor_transformers_builds_is_built_here_too(model):
@@ -204,8 +204,8 @@ def test_every_logits_processor_transformers_builds_is_built_here_too(model):
     config = GenerationConfig(**options)
     model._prepare_special_tokens(config, device="cpu")
     theirs = model._get_logits_processor(config, input_ids_seq_length=LENGTH, device="cpu")
-    settings, merged = generation_refusion.resolve_settings(model, None, LENGTH, dict(options))
-    ours = generation_refusion.build_logits_processors(merged, settings, LENGTH, "cpu")
+    settings, merged = settings_refusion.resolve_settings(model, None, LENGTH, dict(options))
+    ours = settings_refusion.build_logits_processors(merged, settings, LENGTH, "cpu")
     assert sorted(type(each).__name__ for each in theirs) == sorted(type(each).__name__ for each in ours)
 
 

@@ -9,6 +9,7 @@ from test_batching import PROMPTS, left_padded
 from test_generation import sharpened_model
 from torch.overrides import TorchFunctionMode
 
+import executor_refusion
 import generation_refusion
 
 HOST_READS = {
@@ -69,7 +70,7 @@ def test_the_counter_sees_boolean_indexing_and_tolist():
 @pytest.mark.parametrize("batch", [1, 4])
 def test_each_decode_step_reads_the_device_at_most_once(model, monkeypatch, name, cache_implementation, batch):
     counted = {}
-    execute = generation_refusion.execute
+    execute = executor_refusion.execute
 
     def counted_execute(*args, **kwargs):
         with HostReads() as reads:
@@ -97,7 +98,7 @@ def test_on_cuda_the_decoder_synchronizes_once_a_step_outside_the_forwards(monke
     (transformers' code) run unwatched."""
     import warnings
 
-    run_model, execute, counted = generation_refusion.run_model, generation_refusion.execute, {}
+    run_model, execute, counted = executor_refusion.run_model, executor_refusion.execute, {}
 
     def forward_unwatched(*args, **kwargs):
         torch.cuda.set_sync_debug_mode(0)
@@ -117,7 +118,7 @@ def test_on_cuda_the_decoder_synchronizes_once_a_step_outside_the_forwards(monke
         counted["syncs"] = sum("synchroniz" in str(warning.message) for warning in caught)
         return counted["forwards"]
 
-    monkeypatch.setattr(generation_refusion, "run_model", forward_unwatched)
+    monkeypatch.setattr(executor_refusion, "run_model", forward_unwatched)
     monkeypatch.setattr(generation_refusion, "execute", watched_execute)
     model = sharpened_model("qwen2", scale=4.0).to("cuda")
     ids, mask = left_padded(PROMPTS[:4])

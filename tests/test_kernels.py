@@ -424,7 +424,9 @@ def test_saved_forwards_and_prices_are_keyed_by_the_source_of_a_registered_atten
     version of a registered function (as "refusion_grouped" in kernels_refusion.py) must not be taken for its own."""
     from transformers import AttentionInterface, CompileConfig
 
-    import generation_refusion as g
+    import executor_refusion
+    import packages_refusion
+    import prices_refusion
 
     source = tmp_path / "my_attention.py"
     source.write_text(
@@ -437,10 +439,10 @@ def test_saved_forwards_and_prices_are_keyed_by_the_source_of_a_registered_atten
     AttentionInterface.register("my_attention", my_attention.attend)
     model = sharpened_model("llama", scale=4.0)
     config = CompileConfig(fullgraph=True, dynamic=False)
-    cache = g.SlotCache(model, 1, 128)
+    cache = executor_refusion.SlotCache(model, 1, 128)
 
     def keys():
-        return g.saved_forward_key(model, config), g.price_key(model, cache, config)
+        return packages_refusion.saved_forward_key(model, config), prices_refusion.price_key(model, cache, config)
 
     sdpa = keys()
     model.set_attn_implementation("my_attention")
@@ -458,7 +460,7 @@ def test_a_model_counts_as_packed_for_a_width_when_every_linear_layer_is():
     """`packed_for`, which decides whether a decode's prompt may run eagerly on prepacked kernels: every linear layer
     packed for the width's dtype from no more rows than the width; a model with an unpacked layer (first or last) or
     with none is not."""
-    from generation_refusion import packed_for
+    from executor_refusion import packed_for
 
     model = model_of()
     assert not packed_for(model, 64)

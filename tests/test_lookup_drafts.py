@@ -10,16 +10,11 @@ from test_batching import assert_exact_everywhere
 from test_generation import PROMPT, sharpened_model
 from test_price_schedule import FLAT, STEEP, forward_queries
 
-import generation_refusion
-from generation_refusion import (
-    check_decoding,
-    compile_forwards,
-    compiled_steps,
-    copy_drafts,
-    lookup_drafts,
-    static_cache_columns,
-    warm_up_copies,
-)
+import compiling_refusion
+from compiling_refusion import compile_forwards, compiled_steps, warm_up_copies
+from decisions_refusion import copy_drafts, lookup_drafts
+from executor_refusion import static_cache_columns
+from settings_refusion import check_decoding
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 CYCLE = list(range(50, 57))  # the tokens the cycling model's answers go round
@@ -154,7 +149,7 @@ def test_compiled_decodes_copy_through_the_compiled_copies_and_give_the_eager_to
 
     copying = ("copy_drafts", "score_plan", "score_verify", "score_infill")
     steps = dataclasses.replace(compiled, **{name: counted(name) for name in copying})
-    monkeypatch.setattr(generation_refusion, "compiled_steps", lambda: steps)
+    monkeypatch.setattr(compiling_refusion, "compiled_steps", lambda: steps)
     model = cycling_model("llama")
     settings = dict(SETTINGS, lookup_drafts=4, cache_implementation="static", compile_config=compile_config())
     eager = model.generate(PROMPT, **{**settings, "compile_config": None})

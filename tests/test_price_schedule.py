@@ -11,18 +11,16 @@ import pytest
 import torch
 from test_batching import PROMPTS, assert_exact_everywhere, left_padded
 from test_generation import PROMPT, sharpened_model
+from transformers import CompileConfig
 
-import generation_refusion
-from generation_refusion import (
-    AcceptanceProfile,
-    ForwardPrices,
-    SlotCache,
-    best_window,
-    check_decoding,
-    expected_tokens,
-    passes,
-    price_key,
-)
+import compiling_refusion
+import executor_refusion
+import prices_refusion
+from decisions_refusion import best_window, expected_tokens, passes
+from decoder_refusion import AcceptanceProfile
+from executor_refusion import SlotCache
+from prices_refusion import ForwardPrices, price_key
+from settings_refusion import check_decoding
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 FLAT = {1: 1.0, 64: 1.0}  # width is free: the widest window pays best
@@ -236,13 +234,13 @@ def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatc
     (key, table), *others = json.loads(path.read_text()).items()
     assert not others and "torch.float64" in key and "eager" in key
     widths = [int(width) for width in table]  # measuring may stop early: a prefix of the widths, two at least
-    assert len(widths) >= 2 and widths == list(generation_refusion.PRICE_WIDTHS[: len(widths)])
+    assert len(widths) >= 2 and widths == list(prices_refusion.PRICE_WIDTHS[: len(widths)])
     assert all(price > 0 for price in table.values())
 
     def refuse(*args, **kwargs):
         raise AssertionError("the kept prices should have been used")
 
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", refuse)
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", refuse)
     fresh = sharpened_model("qwen2", scale=4.0)  # a new model object: nothing kept on it
     again = fresh.generate(PROMPT, draft_schedule="price", **SETTINGS)
     same = fresh.generate(PROMPT, draft_schedule="price", forward_prices=table, **SETTINGS)
@@ -270,13 +268,13 @@ def test_processors_a_virtual_machine_names_alike_get_names_of_their_own():
     calls "AMD EPYC" differ by family and model; AMX tiles are named; the first processor's fields are read."""
     zen5 = ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")
     amx = "cpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: avx512f amx_tile\n"
-    names = [generation_refusion.processor_name(info) for info in (ZEN4, zen5, amx)]
+    names = [compiling_refusion.processor_name(info) for info in (ZEN4, zen5, amx)]
     assert names == [
         "AMD EPYC (family 25, model 17)", "AMD EPYC (family 26, model 2)",
         "Intel(R) Xeon(R) Platinum (family 6, model 143) AMX",
     ]  # fmt: skip
-    assert generation_refusion.processor_name("flags\t: avx2 not_amx_tile\n") == generation_refusion.platform.machine()
-    assert generation_refusion.cpu_name() in generation_refusion.device_name(sharpened_model("qwen2", scale=4.0))
+    assert compiling_refusion.processor_name("flags\t: avx2 not_amx_tile\n") == compiling_refusion.platform.machine()
+    assert compiling_refusion.cpu_name() in compiling_refusion.device_name(sharpened_model("qwen2", scale=4.0))
 
 
 class FakeForwards:
@@ -285,8 +283,8 @@ class FakeForwards:
 
     def __init__(self, monkeypatch, cost):
         self.now, self.cost, self.widths, self.logits = 0.0, cost, [], []
-        monkeypatch.setattr(generation_refusion, "time", type("Clock", (), {"perf_counter": lambda: self.now}))
-        monkeypatch.setattr(generation_refusion, "run_model", self)
+        monkeypatch.setattr(executor_refusion, "time", type("Clock", (), {"perf_counter": lambda: self.now}))
+        monkeypatch.setattr(executor_refusion, "run_model", self)
 
     def __call__(self, model, compiled, batch, mask, cache, num_logits):
         width = batch["ids"].shape[1]
@@ -297,7 +295,7 @@ class FakeForwards:
 
 
 def measure(model, batch_size=1, **kwargs):
-    return generation_refusion.measure_forward_prices(model, SlotCache(model, batch_size, 128), **kwargs)
+    return prices_refusion.measure_forward_prices(model, SlotCache(model, batch_size, 128), **kwargs)
 
 
 def test_measuring_stops_where_width_has_no_economy_left_and_prorates_past_it(monkeypatch):
@@ -317,11 +315,11 @@ def test_measuring_stops_where_width_has_no_economy_left_and_prorates_past_it(mo
 
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width)  # width is cheap: all measured
     table = measure(model)
-    assert list(table) == list(generation_refusion.PRICE_WIDTHS)
+    assert list(table) == list(prices_refusion.PRICE_WIDTHS)
     assert table[64] == pytest.approx(0.074)
     # just below the line (0.9 of the one-query price per query) still measures on
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 * (1 if width == 1 else 0.89 * width))
-    assert list(measure(model)) == list(generation_refusion.PRICE_WIDTHS)
+    assert list(measure(model)) == list(prices_refusion.PRICE_WIDTHS)
 
 
 def test_measuring_takes_the_fastest_repeat_and_fewer_once_its_time_is_spent(monkeypatch):
@@ -331,13 +329,13 @@ def test_measuring_takes_the_fastest_repeat_and_fewer_once_its_time_is_spent(mon
     assert table[1] == pytest.approx(0.011)  # a slow run among the repeats is not the price
     forwards = FakeForwards(monkeypatch, lambda width, run: 1.0 + 0.01 * width)  # 1 s a forward, 4 s to spend
     table = measure(model, seconds=4.0)
-    assert list(table) == list(generation_refusion.PRICE_WIDTHS)
-    counts = [forwards.widths.count(width) for width in generation_refusion.PRICE_WIDTHS]
+    assert list(table) == list(prices_refusion.PRICE_WIDTHS)
+    counts = [forwards.widths.count(width) for width in prices_refusion.PRICE_WIDTHS]
     assert counts == [2] * 7  # a warm-up and a timed forward each: no repeats once the time is spent
     assert table[64] == pytest.approx(1.64)
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.3 + 0.01 * width)  # 3.37 s once each, 3.9 to spend
     measure(model, seconds=3.9)
-    assert [forwards.widths.count(width) for width in generation_refusion.PRICE_WIDTHS] == [3, 3, 2, 2, 2, 2, 2]
+    assert [forwards.widths.count(width) for width in prices_refusion.PRICE_WIDTHS] == [3, 3, 2, 2, 2, 2, 2]
 
 
 def test_a_warm_up_that_compiles_neither_spends_the_time_nor_prices_its_width(monkeypatch):
@@ -352,8 +350,8 @@ def test_a_warm_up_that_compiles_neither_spends_the_time_nor_prices_its_width(mo
 
     forwards = FakeForwards(monkeypatch, cost)
     table = measure(model)
-    assert table == pytest.approx({width: 0.01 + 0.001 * width for width in generation_refusion.PRICE_WIDTHS})
-    assert len(forwards.widths) == 4 * len(generation_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
+    assert table == pytest.approx({width: 0.01 + 0.001 * width for width in prices_refusion.PRICE_WIDTHS})
+    assert len(forwards.widths) == 4 * len(prices_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
 
 
 def test_a_busy_spell_of_the_machine_does_not_price_one_width_above_the_others(monkeypatch):
@@ -361,24 +359,24 @@ def test_a_busy_spell_of_the_machine_does_not_price_one_width_above_the_others(m
     # busy from the 5th forward to the 8th: as long as one width's warm-up and repeats, were they back to back
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width + (0.005 if 5 <= run <= 8 else 0))
     table = measure(model)
-    assert table == pytest.approx({width: 0.01 + 0.001 * width for width in generation_refusion.PRICE_WIDTHS})
-    assert len(forwards.widths) == 4 * len(generation_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
+    assert table == pytest.approx({width: 0.01 + 0.001 * width for width in prices_refusion.PRICE_WIDTHS})
+    assert len(forwards.widths) == 4 * len(prices_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
 
     # a busy moment on the forward that would end the measuring (two queries costing two one-query forwards) does not
     forwards = FakeForwards(monkeypatch, lambda width, run: 0.01 + 0.001 * width + (0.5 if run == 4 else 0))
     table = measure(model)
-    assert list(table) == list(generation_refusion.PRICE_WIDTHS) and table[2] == pytest.approx(0.012)
+    assert list(table) == list(prices_refusion.PRICE_WIDTHS) and table[2] == pytest.approx(0.012)
 
 
 def test_a_decode_measures_its_prices_after_a_forward_as_wide_as_its_prompt(monkeypatch):
     monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
-    measured, measure_forward_prices = [], generation_refusion.measure_forward_prices
+    measured, measure_forward_prices = [], prices_refusion.measure_forward_prices
 
     def spy(*args, **kwargs):
         measured.append(kwargs["prompt_width"])
         return measure_forward_prices(*args, **kwargs)
 
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", spy)
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", spy)
     model = sharpened_model("qwen3", scale=4.0)
     ids, mask = left_padded(PROMPTS)
     model.generate(ids, attention_mask=mask, draft_schedule="price", **SETTINGS)
@@ -405,14 +403,14 @@ def test_a_table_measured_in_this_process_keeps_its_ratios_where_the_one_query_p
     prices = ForwardPrices(measured, key="key")
     for width, seconds in ((1, 0.5), (4, 1.0), (8, 0.6)):  # 4: not beaten (0.83 of its price); 8: beaten further
         prices.observe(width, seconds)
-    generation_refusion.forget_stale_prices(model, prices)
+    prices_refusion.forget_stale_prices(model, prices)
     assert model._refusion_prices["key"] == pytest.approx({1: 0.5, 2: 0.55, 4: 0.6, 8: 0.6})
 
     model = SimpleNamespace(_refusion_prices={"key": dict(measured)}, _refusion_prices_measured={"key"})
     prices = ForwardPrices(measured, key="key")
     for width, seconds in ((1, 0.9), (4, 0.7)):  # the one-query forward as measured, four queries beaten
         prices.observe(width, seconds)
-    generation_refusion.forget_stale_prices(model, prices)
+    prices_refusion.forget_stale_prices(model, prices)
     assert model._refusion_prices["key"] == pytest.approx({1: 1.0, 2: 1.1, 4: 0.7, 8: 1.6})
 
 
@@ -423,7 +421,7 @@ def kept_table(model, settings: dict, path, monkeypatch, factor: float = 1.0):
     """Decode once with `CHEAP` as the measured table, then keep it in `path` scaled by `factor`; its key, and the
     decode's output. (A real measurement of a tiny model on a busy machine may itself be beaten at once.)"""
     with monkeypatch.context() as patch:
-        patch.setattr(generation_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(CHEAP))
+        patch.setattr(prices_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(CHEAP))
         output = model.generate(PROMPT, **settings)
     ((key, table),) = json.loads(path.read_text()).items()
     path.write_text(json.dumps({key: {width: price * factor for width, price in table.items()}}))
@@ -442,7 +440,7 @@ def test_a_kept_table_that_decodes_beat_is_measured_again(tmp_path, monkeypatch,
     assert "measured again" in caplog.text
     assert key not in json.loads(path.read_text()) and key not in model._refusion_prices
     measured = []
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
     model.generate(PROMPT, **settings)
     assert measured == [1] and json.loads(path.read_text())[key] == {str(width): p for width, p in CHEAP.items()}
 
@@ -455,7 +453,7 @@ def test_a_table_measured_in_this_process_that_decodes_beat_takes_their_times(tm
     model = sharpened_model("llama", scale=4.0)
     dear = {1: 1e3, 2: 1.5e3, 64: 8e3}  # seconds: every decode beats it
     measured = []
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or dict(dear))
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or dict(dear))
     model.generate(PROMPT, **settings)
     ((key, table),) = json.loads(path.read_text()).items()
     assert measured == [1] and "measured again" not in caplog.text
@@ -506,7 +504,7 @@ def test_a_damaged_file_is_moved_aside_and_measured_again_and_an_empty_name_keep
     assert (tmp_path / "prices.json.corrupt").read_text() == "an earlier damaged file"
     assert caplog.text.count(f"The forward price file {path} is damaged") == 1
     path.write_bytes(b"[1, 2]")  # JSON, but no object of tables
-    assert generation_refusion.read_price_file(path) == {}
+    assert prices_refusion.read_price_file(path) == {}
     assert (tmp_path / "prices.json.corrupt.2").read_bytes() == b"[1, 2]" and not path.exists()
 
     monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
@@ -531,13 +529,13 @@ def test_damaged_tables_are_dropped_alone_with_one_warning(tmp_path, monkeypatch
     }  # fmt: skip
     path.write_text(json.dumps({**good, **damaged}))  # (NaN and Infinity as Python's JSON writes them)
     measured = []
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *a, **k: measured.append(1) or CHEAP)
     model.generate(PROMPT, **settings)
     assert measured == [1]
     assert json.loads(path.read_text()) == {**good, key: {str(width): price for width, price in CHEAP.items()}}
     assert caplog.text.count(f"The forward price file {path} holds 8 damaged table(s)") == 1
     path.write_text(json.dumps({**good, **damaged}))
-    assert generation_refusion.read_price_file(path) == {"another model's": {1: 0.5, 8: 0.75}}
+    assert prices_refusion.read_price_file(path) == {"another model's": {1: 0.5, 8: 0.75}}
     assert caplog.text.count("damaged table(s)") == 1  # once a process
 
 
@@ -557,16 +555,16 @@ def test_a_file_that_cannot_be_written_warns_once_and_leaves_no_partial_file(tmp
     path = tmp_path / "prices.json"
     path.write_text(json.dumps({"kept": {"1": 1.0}}))
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
-    replace = generation_refusion.os.replace
+    replace = prices_refusion.os.replace
 
     def failing(source, target):
         if str(source).endswith(".partial"):
             raise OSError(30, "Read-only file system", str(target))
         return replace(source, target)
 
-    monkeypatch.setattr(generation_refusion.os, "replace", failing)
+    monkeypatch.setattr(prices_refusion.os, "replace", failing)
     for key in ("first", "second"):
-        generation_refusion.keep_prices(key, {1: 1.0})
+        prices_refusion.keep_prices(key, {1: 1.0})
     assert caplog.text.count(f"could not be kept in {path}") == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["prices.json"]
     assert json.loads(path.read_text()) == {"kept": {"1": 1.0}}
@@ -575,7 +573,7 @@ def test_a_file_that_cannot_be_written_warns_once_and_leaves_no_partial_file(tmp
     folder = tmp_path / "forward_prices.json"
     folder.mkdir()
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(folder))
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *a, **k: dict(CHEAP))
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *a, **k: dict(CHEAP))
     for architecture in ("llama", "qwen2"):  # two models: each measures and would keep its table
         output = sharpened_model(architecture, scale=4.0).generate(PROMPT, draft_schedule="price", **SETTINGS)
         assert output.sequences.shape[1] == PROMPT.shape[1] + SETTINGS["max_new_tokens"]
@@ -597,7 +595,7 @@ def test_a_price_file_that_is_a_symbolic_link_is_written_through_it(tmp_path, mo
         target.write_text(json.dumps({"kept": {"1": 1.0}}))
         target.chmod(0o640)
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(link))
-    generation_refusion.keep_prices("new", {1: 2.0, 8: 3.0})
+    prices_refusion.keep_prices("new", {1: 2.0, 8: 3.0})
     assert link.is_symlink() and link.resolve() == target.resolve()
     expected = {"new": {"1": 2.0, "8": 3.0}} if dangling else {"kept": {"1": 1.0}, "new": {"1": 2.0, "8": 3.0}}
     assert json.loads(target.read_text()) == expected
@@ -609,7 +607,7 @@ def test_a_price_file_that_is_a_symbolic_link_is_written_through_it(tmp_path, mo
 def test_a_table_holds_for_one_model_dtype_attention_batch_path_and_set_of_widths():
     model = sharpened_model("llama", scale=4.0)
     keys = {price_key(model, SlotCache(model, 1, 128), None), price_key(model, SlotCache(model, 2, 128), None)}
-    compiled = generation_refusion.CompileConfig(mode="max-autotune-no-cudagraphs")
+    compiled = CompileConfig(mode="max-autotune-no-cudagraphs")
     keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (8, 16)))
     keys.add(price_key(model, SlotCache(model, 1, 128), compiled, (1, 2, 8, 16)))
     model.set_attn_implementation("eager")  # what a forward costs depends on it; the config's JSON does not say it

@@ -9,13 +9,14 @@ import torch
 from tiny import tiny_backbone, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
+import compiling_refusion
+import executor_refusion
 import generation_refusion
 import kernels_refusion
 from benchmarks import decode as decode_benchmark
 from benchmarks import draft_sources, quality_speed
 from finetune.chat import prompt_token_ids
 from finetune.convert import convert_to_refusion, save_refusion
-from generation_refusion import DECODING_FIELDS, check_decoding
 from recipe.decoding import (
     DecodeRun,
     compile_refusion,
@@ -42,6 +43,7 @@ from recipe.metrics import (
     token_f1,
     words,
 )
+from settings_refusion import DECODING_FIELDS, check_decoding
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "List three colours.", "Two plus two is", "Explain rain to me."]
@@ -214,19 +216,19 @@ def test_static_cache_ar_answers_as_generate_eager_compiled_and_frozen_without_r
     eager = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, max_cache_len=64)
     frozen = compiled_refusion("cpu", mode="default", freeze=True)["compile_config"]
     graphs = compiled_graphs()
-    widths, run_model = [], generation_refusion.run_model
-    monkeypatch.setattr(generation_refusion, "run_model", lambda *args: widths.append(args[2]["ids"].shape[1]) or
+    widths, run_model = [], executor_refusion.run_model
+    monkeypatch.setattr(executor_refusion, "run_model", lambda *args: widths.append(args[2]["ids"].shape[1]) or
                         run_model(*args))  # fmt: skip
     compiled = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, compile_config=frozen, max_cache_len=64)
     assert compiled.answers == eager.answers and compiled.forwards == eager.forwards
-    buckets = {generation_refusion.pad_width(len(prompt), generation_refusion.WIDTH_BUCKETS) for prompt in prompts}
+    buckets = {executor_refusion.pad_width(len(prompt), executor_refusion.WIDTH_BUCKETS) for prompt in prompts}
     assert set(widths) == {1} | buckets  # the prompts padded to their bucket
     assert compiled_graphs() - graphs == 1 + len(buckets)  # the one-query step and the buckets, for every prompt
     assert base._refusion_compiled[1] is not None  # the weights were frozen into it
 
     kernels_refusion.prepack_linears(base, {torch.float32: 1})
     for prices, eagerly in (((1.0, 0.001), False), ((0.001, 1.0), True)):  # (a token eagerly, the graph's forward)
-        monkeypatch.setattr(generation_refusion, "prompt_prices", lambda *args, prices=prices, **kwargs: prices)
+        monkeypatch.setattr(executor_refusion, "prompt_prices", lambda *args, prices=prices, **kwargs: prices)
         base.__dict__.pop("_refusion_prompt_prices", None)
         widths.clear()
         prepacked = decode_static_ar(base, tokenizer, prompts, max_new_tokens=8, compile_config=frozen,
@@ -296,7 +298,7 @@ def test_compile_refusion_compiles_the_forwards_the_loaded_decoder_then_reuses(t
     assert compile_refusion(loaded, prompts, 10, options["compile_config"], generation_config=config) > 0
     warmed = compiled_graphs()
     # a graph per width bucket, and the loaded module's own step functions' (its functions are not this package's)
-    assert warmed - graphs > len(module.WIDTH_BUCKETS)
+    assert warmed - graphs > len(decoder_module(loaded, "executor_refusion").WIDTH_BUCKETS)
     compiled = decode(loaded, tokenizer, prompts, max_new_tokens=10, time_forwards=False, **options, **settings)
     assert compiled.answers == eager.answers
     assert compiled_graphs() == warmed  # nothing compiled in the decode
@@ -305,14 +307,14 @@ def test_compile_refusion_compiles_the_forwards_the_loaded_decoder_then_reuses(t
 def test_compiled_refusion_with_freeze_asks_for_freezing_beside_the_mode():
     plain = compiled_refusion("cpu", mode="max-autotune-no-cudagraphs")["compile_config"]
     assert (plain.mode, plain.options) == ("max-autotune-no-cudagraphs", None)
-    assert not generation_refusion.freezes_weights(plain)
+    assert not compiling_refusion.freezes_weights(plain)
     frozen = compiled_refusion("cpu", mode="max-autotune-no-cudagraphs", freeze=True)["compile_config"]
     assert (frozen.mode, frozen.options, frozen._compile_all_devices) == (
         "max-autotune-no-cudagraphs",
         {"freezing": True},
         True,
     )
-    assert generation_refusion.freezes_weights(frozen)
+    assert compiling_refusion.freezes_weights(frozen)
 
 
 def test_evaluation_scores_runs_against_the_teacher_and_the_benchmark_tabulates_them(tmp_path):

@@ -1,5 +1,6 @@
 """Loading a converted folder as a Hub user: only torch + transformers, remote code, offline, any directory."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -13,7 +14,17 @@ from tiny import tiny_backbone, tiny_tokenizer
 from finetune.convert import convert_to_refusion, save_refusion
 
 ROOT = Path(__file__).resolve().parents[1]
-HUB_FILES = ("configuration_refusion.py", "modeling_refusion.py", "generation_refusion.py", "kernels_refusion.py")
+DECODING_FILES = (
+    "generation_refusion.py",
+    "settings_refusion.py",
+    "decisions_refusion.py",
+    "decoder_refusion.py",
+    "executor_refusion.py",
+    "compiling_refusion.py",
+    "prices_refusion.py",
+    "packages_refusion.py",
+)
+HUB_FILES = ("configuration_refusion.py", "modeling_refusion.py", "kernels_refusion.py", *DECODING_FILES)
 
 HUB_USER = """
 import torch
@@ -144,3 +155,27 @@ def test_wheel_installs_the_hub_files_as_top_level_modules(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert str(tmp_path / "installed") in result.stdout
+
+
+SAVED_PACKAGES_LOADED = """
+import sys
+import torch
+from tiny import tiny_backbone, tiny_tokenizer
+from finetune.convert import convert_to_refusion
+
+tokenizer = tiny_tokenizer()
+model, tokenizer = convert_to_refusion(tiny_backbone("llama", vocab_size=len(tokenizer)), tokenizer)
+prompt = torch.tensor([[5, 6, 7, 8, 9]])
+for cache in ("dynamic", "static"):
+    model.generate(prompt, max_new_tokens=8, slot_size=4, eos_token_id=[], cache_implementation=cache)
+print("packages_refusion" in sys.modules)
+"""
+
+
+def test_the_saved_package_machinery_is_imported_only_by_decodes_that_keep_packages():
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run(
+        [sys.executable, "-c", SAVED_PACKAGES_LOADED], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "False"

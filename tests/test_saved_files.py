@@ -22,8 +22,9 @@ from test_generation import sharpened_model
 from test_saved_forwards import compile_config
 from test_static_cache import causal_forward
 
-import generation_refusion
-from generation_refusion import SavedForwards, SavedStep, digest_path, greedy_distributions, load_or_build_package
+import packages_refusion
+from decisions_refusion import greedy_distributions
+from packages_refusion import SavedForwards, SavedStep, digest_path, load_or_build_package
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (1, 2, 128, 128)  # batch size, width, cache length, key window: the forward `causal_forward(..., 2)` runs
@@ -90,7 +91,7 @@ def test_the_saved_folder_holds_each_package_with_its_digest(saved):
                             f"{saved['step'].name}.digest"])  # fmt: skip
     record = json.loads(digest_path(saved["forward"]).read_text())
     assert record["key"] == SavedForwards(saved["model"], compile_config(), saved["folder"]).key(SHAPE)
-    assert record["sha256"] == generation_refusion.file_digest(saved["forward"])
+    assert record["sha256"] == packages_refusion.file_digest(saved["forward"])
 
 
 def test_a_package_whose_weights_were_damaged_is_compiled_again_with_a_warning(saved, copied, compiles, caplog):
@@ -107,7 +108,7 @@ def test_a_package_whose_weights_were_damaged_is_compiled_again_with_a_warning(s
     assert caplog.text.count("does not match its digest") == 1 and f"The saved forward {forward} " in caplog.text
     assert compiles == [f"{forward.stem}.{os.getpid()}.partial.pt2"]  # that package alone compiled again
     assert forward.read_bytes() != damaged  # replaced, with a digest of its own
-    assert generation_refusion.package_problem(forward, json.loads(digest_path(forward).read_text())["key"]) is None
+    assert packages_refusion.package_problem(forward, json.loads(digest_path(forward).read_text())["key"]) is None
     run_saved(saved["model"], folder)  # a later process loads it as it is now
     assert len(compiles) == 1 and caplog.text.count("does not match its digest") == 1
 
@@ -144,7 +145,7 @@ def test_without_the_loader_s_private_boxed_run_packages_run_through_their_publi
     """`boxed_run` is a private hook of AOTInductor's package loader (`PackageRunner`): where a torch renames it, the
     saved forward and step run through their packages' public calls (a forward's keys and values as lists), give
     what they gave, and a process says so once. Where the loader has it, the runner is the loader itself."""
-    assert isinstance(generation_refusion.load_package(saved["step"]), torch._C._aoti.AOTIModelPackageLoader)
+    assert isinstance(packages_refusion.load_package(saved["step"]), torch._C._aoti.AOTIModelPackageLoader)
     load = torch._inductor.aoti_load_package
 
     class Hidden:
@@ -159,7 +160,7 @@ def test_without_the_loader_s_private_boxed_run_packages_run_through_their_publi
 
     loaded = []
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: loaded.append(Hidden(path)) or loaded[-1])
-    monkeypatch.setattr(generation_refusion.PackageRunner, "warned", False)
+    monkeypatch.setattr(packages_refusion.PackageRunner, "warned", False)
     for _ in range(2):  # (loaded again: one warning a process all the same)
         logits, outputs = run_saved(saved["model"], saved["folder"])
         assert_as_saved(saved, logits, outputs)
@@ -173,7 +174,8 @@ LOAD_STEP = """
 import sys
 from pathlib import Path
 import torch
-from generation_refusion import SavedStep, greedy_distributions
+from decisions_refusion import greedy_distributions
+from packages_refusion import SavedStep
 scores = torch.randn(3, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 torch.save(SavedStep(greedy_distributions, Path(sys.argv[1]), ({0: "rows"}, None))(scores, 20), sys.argv[2])
 """
@@ -207,7 +209,7 @@ import torch
 from test_generation import sharpened_model
 from test_saved_forwards import compile_config
 from test_static_cache import causal_forward
-from generation_refusion import SavedForwards
+from packages_refusion import SavedForwards
 
 compile_package = torch._inductor.aoti_compile_and_package
 
@@ -248,9 +250,9 @@ def test_a_build_killed_before_its_package_was_renamed_leaves_a_folder_later_dec
     assert torch.equal(logits, saved["logits"]) and len(compiles) == 1
     assert partial.exists()  # young: it may be a live build's
 
-    stale = time.time() - generation_refusion.PARTIAL_STALE - 60
+    stale = time.time() - packages_refusion.PARTIAL_STALE - 60
     os.utime(partial, (stale, stale))
-    monkeypatch.setattr(generation_refusion, "SWEPT_FOLDERS", set())  # as a new process
+    monkeypatch.setattr(packages_refusion, "SWEPT_FOLDERS", set())  # as a new process
     _, logits = causal_forward(model, SavedForwards(model, compile_config(), folder), 2)
     assert torch.equal(logits, saved["logits"]) and len(compiles) == 1
     assert sorted(path.name for path in folder.iterdir()) == [saved["forward"].name, f"{saved['forward'].name}.digest"]
@@ -330,7 +332,7 @@ def test_a_failed_build_leaves_no_partial_file_and_the_folder_as_it_was(tmp_path
 def test_partial_files_left_by_killed_builds_are_removed_once_stale(tmp_path):
     """The partial files of packages, of rival packages and of digests that are `PARTIAL_STALE` old are removed on
     a process's first package in the folder; younger ones (a live build's) and other files stay."""
-    stale = time.time() - generation_refusion.PARTIAL_STALE - 60
+    stale = time.time() - packages_refusion.PARTIAL_STALE - 60
     names = {
         "a.123.partial.pt2": False, "a.123.partial.rival.pt2": False, "a.pt2.digest.123.partial": False,
         "b.456.partial.pt2": True, "notes.partial": True, "c.pt2": True,

@@ -14,8 +14,13 @@ from test_generation import PROMPT, sharpened_model
 from test_static_cache import causal_forward
 from transformers import CompileConfig
 
-import generation_refusion
-from generation_refusion import SavedForwards, compiled_backbone, digest_path
+import compiling_refusion
+import decisions_refusion
+import executor_refusion
+import packages_refusion
+import prices_refusion
+from compiling_refusion import compiled_backbone
+from packages_refusion import SavedForwards, digest_path
 
 SETTINGS = dict(
     max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, fused_redraft=True,
@@ -157,8 +162,8 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
     where the template has no kernel (float64) they compile again, with a warning, with the config's backends. Either
     way: the eager logits. Named backends, no autotuning, or a CPU with oneDNN's bfloat16 kernels (whose packed
     products autotuning picks where they win): one attempt as configured."""
-    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: False)
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)  # a package a width
+    monkeypatch.setattr(packages_refusion, "onednn_bfloat16", lambda: False)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: False)  # a package a width
     backends, compile_package = [], torch._inductor.aoti_compile_and_package
 
     def recorded(exported, package_path, inductor_configs):
@@ -183,7 +188,7 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
         assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [
             config.options.get("max_autotune_gemm_backends")
         ]
-    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
+    monkeypatch.setattr(packages_refusion, "onednn_bfloat16", lambda: True)
     attempts = SavedForwards(model, autotuned, tmp_path).attempts
     assert [configs.get("max_autotune_gemm_backends") for configs in attempts] == [None]
 
@@ -195,27 +200,27 @@ def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configu
     tokens is compiled as configured and with oneDNN's products alone, and the package that ran faster on the
     forward's inputs is the one kept (no other file left), which gives the eager logits and a later process loads;
     wider forwards compile once. Named backends, no autotuning, unfrozen, AMX or no oneDNN bfloat16: no rival."""
-    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: True)
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
+    monkeypatch.setattr(packages_refusion, "onednn_bfloat16", lambda: True)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: False)
     backends, race, compile_package = [], [], torch._inductor.aoti_compile_and_package
-    race_packages = generation_refusion.race_packages
+    race_packages = packages_refusion.race_packages
 
     def recorded(exported, package_path, inductor_configs):
         if not Path(package_path).name.startswith("step-"):
             backends.append(inductor_configs.get("max_autotune_gemm_backends"))
         return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
 
-    def watched(paths, inputs, rounds=generation_refusion.PACKAGE_RACE_ROUNDS):
+    def watched(paths, inputs, rounds=packages_refusion.PACKAGE_RACE_ROUNDS):
         seconds = race_packages(paths, inputs, rounds)
         race.append((seconds, [Path(path).read_bytes() for path in paths]))
         return seconds
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
-    monkeypatch.setattr(generation_refusion, "race_packages", watched)
+    monkeypatch.setattr(packages_refusion, "race_packages", watched)
     model = sharpened_model("qwen2", scale=4.0).float()
     autotuned = compile_config(freezing=True, max_autotune=True)
     eager = model(input_ids=torch.arange(3, 3 + 6 + 16)[None]).logits
-    caplog.set_level("INFO", logger=generation_refusion.logger.name)
+    caplog.set_level("INFO", logger=packages_refusion.logger.name)
     saved = SavedForwards(model, autotuned, tmp_path)
     output, logits = causal_forward(model, saved, 2)
     torch.testing.assert_close(logits, eager[:, 6:8], rtol=1e-4, atol=1e-4)
@@ -238,10 +243,10 @@ def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configu
                    compile_config(freezing=True), compile_config(max_autotune=True)):  # fmt: skip
         assert SavedForwards(model, config, tmp_path).rival_attempts is None
     assert SavedForwards(model, autotuned, tmp_path).rival_attempts[0]["max_autotune_gemm_backends"] == "ATEN"
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
     assert SavedForwards(model, autotuned, tmp_path).rival_attempts is None
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
-    monkeypatch.setattr(generation_refusion, "onednn_bfloat16", lambda: False)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: False)
+    monkeypatch.setattr(packages_refusion, "onednn_bfloat16", lambda: False)
     assert SavedForwards(model, autotuned, tmp_path).rival_attempts is None
 
 
@@ -259,7 +264,7 @@ def test_on_a_cpu_with_amx_the_narrow_widths_run_from_one_copy_of_the_weights(tm
         return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
     model = sharpened_model("qwen2", scale=4.0).float()
     autotuned = compile_config(freezing=True, max_autotune=True)
     ids = torch.arange(3, 3 + 6 + 16)[None]
@@ -270,8 +275,8 @@ def test_on_a_cpu_with_amx_the_narrow_widths_run_from_one_copy_of_the_weights(tm
             output, logits = causal_forward(model, saved, width)
             torch.testing.assert_close(logits, eager[:, 6 : 6 + width], rtol=1e-4, atol=1e-4)
         narrow = [saved.runners[1, width, 128, 128] for width in (1, 2, 4, 8)]
-        assert all(isinstance(runner, generation_refusion.SharedWeightsRunner) for runner in narrow)
-        assert not isinstance(saved.runners[1, 16, 128, 128], generation_refusion.SharedWeightsRunner)
+        assert all(isinstance(runner, packages_refusion.SharedWeightsRunner) for runner in narrow)
+        assert not isinstance(saved.runners[1, 16, 128, 128], packages_refusion.SharedWeightsRunner)
         # a constant alike in two packages (name, shape, strides, values) is one tensor; which the template packs alike
         # depends on the CPU's blocking (for this model, on an AMX Xeon all but a few of 8 rows', on an AVX2 Zen 2 all
         # but a few of 4 rows'), but most are
@@ -286,18 +291,22 @@ def test_on_a_cpu_with_amx_the_narrow_widths_run_from_one_copy_of_the_weights(tm
         distinct = {id(tensor) for runner in narrow for tensor in runner.constants.values()}
         assert len(saved.weights.kept) == len(distinct) < 2 * len(first)
     # (the wide package takes the backends it takes elsewhere on this CPU: `test_autotuned_frozen_packages_...`)
-    assert [(c.get("max_autotune_gemm_backends"), c.get("aot_inductor.package_constants_in_so")) for c in configs[:4]] \
-        == [("CPP", False)] * 4 and len(configs) == 5 and "aot_inductor.package_constants_in_so" not in configs[4]
+    assert (
+        [(c.get("max_autotune_gemm_backends"), c.get("aot_inductor.package_constants_in_so")) for c in configs[:4]]
+        == [("CPP", False)] * 4
+        and len(configs) == 5
+        and "aot_inductor.package_constants_in_so" not in configs[4]
+    )
     assert "does not run from weights shared" not in caplog.text
-    cache = generation_refusion.SlotCache(model, 1, 128)
-    assert "sharing their weights" in generation_refusion.price_key(model, cache, autotuned, saved=saved.kind)
+    cache = executor_refusion.SlotCache(model, 1, 128)
+    assert "sharing their weights" in prices_refusion.price_key(model, cache, autotuned, saved=saved.kind)
 
     for config in (compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="ATEN,CPP"),
                    compile_config(freezing=True), compile_config(max_autotune=True)):  # fmt: skip
         assert not SavedForwards(model, config, tmp_path).shares_weights
     named = compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
     assert SavedForwards(model, named, tmp_path).shares_weights
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: False)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: False)
     assert not SavedForwards(model, autotuned, tmp_path).shares_weights and saved.kind != SavedForwards(
         model, autotuned, tmp_path).kind  # fmt: skip
 
@@ -308,7 +317,7 @@ def test_shared_weights_are_the_package_s_own_constants_and_a_package_they_do_no
     """The constants read from a package's weights file by its wrapper's listing are the ones its own loader reads
     (each of a unique name), byte for byte; a package whose listing does not fit (another layout) loads with weights
     of its own, with a warning, and gives the same logits."""
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
     model = sharpened_model("llama", scale=4.0).float()
     autotuned = compile_config(freezing=True, max_autotune=True)
     saved = SavedForwards(model, autotuned, tmp_path)
@@ -331,9 +340,9 @@ def test_shared_weights_are_the_package_s_own_constants_and_a_package_they_do_no
         assert torch.equal(constants[fqn], runner.constants[name]), name
 
     other = SavedForwards(model, autotuned, tmp_path)
-    monkeypatch.setattr(generation_refusion, "package_constants", lambda wrapper, blob: {})
+    monkeypatch.setattr(packages_refusion, "package_constants", lambda wrapper, blob: {})
     output, alone_logits = causal_forward(model, other, 2)
-    assert not isinstance(other.runners[1, 2, 128, 128], generation_refusion.SharedWeightsRunner)
+    assert not isinstance(other.runners[1, 2, 128, 128], packages_refusion.SharedWeightsRunner)
     assert "does not run from weights shared" in caplog.text
     assert torch.equal(alone_logits, shared_logits)
     assert not other.weights.refused  # (a package that cannot be read stops only itself)
@@ -343,8 +352,8 @@ def test_weights_read_in_the_wrong_places_are_caught_by_the_first_package(tmp_pa
     """Where the reading of a package's weights file goes wrong in a way its sizes do not show (two constants of one
     shape swapped), the first package's check against its own loader catches it: that package and every later one
     load with weights of their own, with a warning, and give the eager logits."""
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
-    read = generation_refusion.package_constants
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
+    read = packages_refusion.package_constants
 
     def swapped(wrapper, blob):
         constants = read(wrapper, blob)
@@ -357,14 +366,14 @@ def test_weights_read_in_the_wrong_places_are_caught_by_the_first_package(tmp_pa
         constants[first], constants[second] = constants[second], constants[first]
         return constants
 
-    monkeypatch.setattr(generation_refusion, "package_constants", swapped)
+    monkeypatch.setattr(packages_refusion, "package_constants", swapped)
     model = sharpened_model("llama", scale=4.0).float()
     eager = model(input_ids=torch.arange(3, 3 + 6 + 4)[None]).logits
     saved = SavedForwards(model, compile_config(freezing=True, max_autotune=True), tmp_path)
     for width in (2, 4):
         output, logits = causal_forward(model, saved, width)
         torch.testing.assert_close(logits, eager[:, 6 : 6 + width], rtol=1e-4, atol=1e-4)
-        assert not isinstance(saved.runners[1, width, 128, 128], generation_refusion.SharedWeightsRunner)
+        assert not isinstance(saved.runners[1, width, 128, 128], packages_refusion.SharedWeightsRunner)
     assert saved.weights.refused and caplog.text.count("differ from its own loader's") == 1
 
 
@@ -383,18 +392,18 @@ def test_package_constants_refuses_a_listing_that_does_not_fill_the_weights_file
     blob = torch.zeros(64 + 16, dtype=torch.uint8)
     blob[:8] = values[:2].view(torch.uint8)
     blob[64:] = values[2:].view(torch.uint8)
-    constants = generation_refusion.package_constants(wrapper, blob)
+    constants = packages_refusion.package_constants(wrapper, blob)
     assert torch.equal(constants["a"][1], values[:2]) and torch.equal(constants["b"][1], values[2:].view(2, 2))
     with pytest.raises(ValueError, match="ends before"):
-        generation_refusion.package_constants(wrapper, blob[:70])
+        packages_refusion.package_constants(wrapper, blob[:70])
     with pytest.raises(ValueError, match="lists 128 bytes"):
-        generation_refusion.package_constants(wrapper, torch.zeros(200, dtype=torch.uint8))
+        packages_refusion.package_constants(wrapper, torch.zeros(200, dtype=torch.uint8))
 
 
 def test_a_priced_decode_on_an_amx_cpu_runs_one_query_forwards_from_their_own_package(tmp_path, monkeypatch):
     """Where the narrow widths' packages share their weights (AMX), a priced decode runs its one-query forwards from a
     one-query package (no padding to two), with the eager tokens."""
-    monkeypatch.setattr(generation_refusion, "amx_bfloat16", lambda device: True)
+    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
     model = sharpened_model("qwen2", scale=4.0).float()
     widths = []
     monkeypatch.setattr(SavedForwards, "__call__", lambda self, input_ids, *rest, call=SavedForwards.__call__, **kw:
@@ -408,7 +417,7 @@ def test_a_priced_decode_on_an_amx_cpu_runs_one_query_forwards_from_their_own_pa
     assert torch.equal(saved.sequences, eager.sequences)
     backbone = compiled_backbone(model, config, tmp_path)
     assert backbone.shares_weights and 1 in widths
-    assert isinstance(backbone.runners[1, 1, 128, 128], generation_refusion.SharedWeightsRunner)
+    assert isinstance(backbone.runners[1, 1, 128, 128], packages_refusion.SharedWeightsRunner)
 
 
 def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp_path, monkeypatch):
@@ -429,7 +438,7 @@ def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp
     saved = dict(SETTINGS, compile_config=compile_config(), compile_cache_dir=str(tmp_path))
     assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
     assert {kind for kind, _ in chunks} == {"forward", "step"}
-    assert {chunk for _, chunk in chunks} == {generation_refusion.CPU_MIN_CHUNK}
+    assert {chunk for _, chunk in chunks} == {compiling_refusion.CPU_MIN_CHUNK}
     own = compile_config(**{"cpp.min_chunk_size": 64})
     assert [configs["cpp.min_chunk_size"] for configs in SavedForwards(model, own, tmp_path).attempts] == [64]
 
@@ -449,7 +458,7 @@ def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp
     output, logits = causal_forward(model, compiled_backbone(model, compile_config()), 2)
     eager_logits = model(input_ids=torch.arange(3, 3 + 6 + 2)[None]).logits[:, -2:]
     torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
-    assert seen and set(seen) == {generation_refusion.CPU_MIN_CHUNK}
+    assert seen and set(seen) == {compiling_refusion.CPU_MIN_CHUNK}
 
 
 # ---- step functions compiled ahead of time --------------------------------------------------------------------------
@@ -460,10 +469,10 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
     at most 2) and always the right ones."""
     from test_static_cache import infill_round
 
-    monkeypatch.setattr(generation_refusion, "SHAPES_REMEMBERED", 2)
+    monkeypatch.setattr(packages_refusion, "SHAPES_REMEMBERED", 2)
 
-    step = generation_refusion.SavedStep(
-        generation_refusion.score_infill, tmp_path,
+    step = packages_refusion.SavedStep(
+        decisions_refusion.score_infill, tmp_path,
         ({0: "logits"}, *[{0: "slots"}] * 4, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None),
     )  # fmt: skip
     generator, eos, mask_token_id = torch.Generator().manual_seed(5), torch.tensor([3, -1, -1]), 20
@@ -475,16 +484,16 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
             round_["logits"], round_["tokens"], round_["stored"], round_["counts"], round_["until"], eos, mask_token_id,
             threshold, round_["text"], round_["at"], drafts,
         )  # fmt: skip
-        expected = generation_refusion.score_infill(*arguments)
+        expected = decisions_refusion.score_infill(*arguments)
         assert all(torch.equal(got, wanted) for got, wanted in zip(step(*arguments), expected)), case
         assert len(compiles) == 1 + case // 6  # one package a number of drafts copied
         assert 1 <= len(step.by_shapes) <= 2
-    later = generation_refusion.SavedStep(step.function, tmp_path, step.dims)
+    later = packages_refusion.SavedStep(step.function, tmp_path, step.dims)
     assert all(torch.equal(got, wanted) for got, wanted in zip(later(*arguments), expected))
     assert len(compiles) == 2 and len(list(tmp_path.glob("*.pt2"))) == 2
     with pytest.raises(TypeError, match="takes 11 arguments here, not 10"):
         step(*arguments[:-1])
-    scoring = generation_refusion.SavedStep(generation_refusion.greedy_distributions, tmp_path, ({0: "rows"}, None))
+    scoring = packages_refusion.SavedStep(decisions_refusion.greedy_distributions, tmp_path, ({0: "rows"}, None))
     nothing = scoring(torch.zeros(0, 40), mask_token_id)  # no row: the function itself, no package
     assert nothing[0].shape == (0, 40) and nothing[1].shape == (0,) and len(compiles) == 2
 
@@ -496,14 +505,17 @@ def test_a_decode_through_saved_forwards_on_a_cpu_runs_its_masks_and_infill_roun
     infill forwards scored whole and copied drafts from packages kept beside the forwards (`SavedForwards.steps`),
     compiled while its forwards are, and decodes the eager tokens."""
     model = sharpened_model("qwen3", scale=4.0)
-    calls, call = [], generation_refusion.SavedStep.__call__
-    monkeypatch.setattr(generation_refusion.SavedStep, "__call__",
-                        lambda self, *arguments: calls.append(self.function.__name__) or call(self, *arguments))
+    calls, call = [], packages_refusion.SavedStep.__call__
+    monkeypatch.setattr(
+        packages_refusion.SavedStep,
+        "__call__",
+        lambda self, *arguments: calls.append(self.function.__name__) or call(self, *arguments),
+    )
     settings = dict(SETTINGS, fused_redraft=False, lookup_drafts=2, max_new_tokens=16)
     eager = model.generate(PROMPT, return_dict_in_generate=True, **settings)
     config = compile_config()
-    columns = generation_refusion.static_cache_columns(PROMPT.shape[1], 16, 4, 8)
-    generation_refusion.compile_forwards(model, config, 1, columns, compile_cache_dir=tmp_path, lookup_drafts=2)
+    columns = executor_refusion.static_cache_columns(PROMPT.shape[1], 16, 4, 8)
+    compiling_refusion.compile_forwards(model, config, 1, columns, compile_cache_dir=tmp_path, lookup_drafts=2)
     whole = {"score_plan", "score_verify", "score_infill"}
     assert set(calls) == {"static_mask", "greedy_distributions", "copy_drafts", *whole}
     steps = sorted(path.name for path in tmp_path.glob("step-*.pt2"))
@@ -524,9 +536,9 @@ def test_a_package_built_with_grad_enabled_has_its_weights_frozen(tmp_path):
     graph's parameters and freezing would leave them out (constants named after the layers, a slower package)."""
     model = sharpened_model("llama", scale=4.0)
     compiled = compiled_backbone(model, compile_config(freezing=True), tmp_path)
-    cache = generation_refusion.slot_cache(model, 1, 40)
+    cache = executor_refusion.slot_cache(model, 1, 40)
     with torch.enable_grad():
-        generation_refusion.timed_forward(model, compiled, cache, 4, 4)
+        executor_refusion.timed_forward(model, compiled, cache, 4, 4)
     (runner,) = compiled.runners.values()
     constants = runner.get_constant_fqns()
     assert any(name.startswith("_frozen_param") for name in constants)

@@ -8,45 +8,45 @@ from test_batching import PROMPTS, left_padded
 from test_generation import PROMPT, sharpened_model
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
-import generation_refusion
+import compiling_refusion
+import decisions_refusion
+import decoder_refusion
+import executor_refusion
 import kernels_refusion
-from generation_refusion import (
-    CACHE_LENGTH_MULTIPLE,
-    LOGITS_IN_GRAPH_WIDTH,
-    NARROW_BUCKETS,
+import prices_refusion
+from compiling_refusion import compile_forwards, compiled_steps, warm_up_steps
+from decisions_refusion import (
     NO_GROUP,
-    WIDTH_BUCKETS,
-    WINDOW_WIDTH,
-    AcceptanceProfile,
-    Infilling,
-    Phase,
-    SlotCache,
-    SlotDecoder,
-    StaticLayout,
     accept_and_correct,
     attention_mask,
     check_counts,
     choose_slots,
-    compile_config_for,
-    compile_forwards,
-    compiled_steps,
     eos_offsets,
-    execute,
     first_rejected,
     infill_masks,
     judge_infill,
     judge_verify,
+    static_mask,
+)
+from decoder_refusion import AcceptanceProfile, Infilling, Phase, SlotDecoder
+from executor_refusion import (
+    CACHE_LENGTH_MULTIPLE,
+    LOGITS_IN_GRAPH_WIDTH,
+    NARROW_BUCKETS,
+    WIDTH_BUCKETS,
+    WINDOW_WIDTH,
+    SlotCache,
+    StaticLayout,
+    execute,
     key_window,
     key_windows,
     pad_width,
-    resolve_settings,
     run_model,
     slot_cache,
     static_cache_columns,
-    static_mask,
-    warm_up_steps,
     width_buckets,
 )
+from settings_refusion import compile_config_for, resolve_settings
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 SETTINGS = {  # each row of a batch ends at its own time with an EOS (set per test) or runs to max_new_tokens
@@ -177,7 +177,7 @@ def test_narrow_forwards_attend_over_the_fewest_columns_that_hold_their_tokens()
     model = sharpened_model("llama", scale=4.0)
     cache = SlotCache(model, 1, 256)
     layout = StaticLayout(cache, 1, model.device)
-    batch = {name: torch.full((1, 4), value) for name, value in generation_refusion.PADDING.items()}
+    batch = {name: torch.full((1, 4), value) for name, value in decoder_refusion.PADDING.items()}
     for pointer, window in ((0, 128), (124, 128), (125, 256)):
         layout.pointers = [pointer]
         mask = layout.mask(batch, [4], model.dtype)
@@ -197,7 +197,7 @@ def test_a_decode_whose_forwards_outgrow_a_key_window_gives_the_dynamic_tokens(m
     settings = dict(max_new_tokens=32, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3,
                     eos_token_id=[], pad_token_id=0)  # fmt: skip
     dynamic = model.generate(prompt, **settings)
-    windows, choose = [], generation_refusion.key_window
+    windows, choose = [], executor_refusion.key_window
 
     lengths = set()
 
@@ -206,7 +206,7 @@ def test_a_decode_whose_forwards_outgrow_a_key_window_gives_the_dynamic_tokens(m
         lengths.add(max_cache_len)
         return windows[-1][1]
 
-    monkeypatch.setattr(generation_refusion, "key_window", chosen)
+    monkeypatch.setattr(executor_refusion, "key_window", chosen)
     assert torch.equal(model.generate(prompt, cache_implementation="static", **settings), dynamic)
     assert lengths == {256}
     assert {window for width, window in windows if width <= WINDOW_WIDTH} == {128, 256}
@@ -325,7 +325,7 @@ def test_the_compiled_scoring_picks_the_eager_tokens_and_compiles_up_front():
             logits[0, mask_token_id] = 100.0  # never picked
             logits[-1, 5] = logits[-1, 9] = logits[-1].max() + 1  # a tie: the first one wins
             compiled = compiled_steps().greedy_distributions(logits, mask_token_id)
-            eager = generation_refusion.greedy_distributions(logits, mask_token_id)
+            eager = decisions_refusion.greedy_distributions(logits, mask_token_id)
             assert torch.equal(compiled[1], eager[1]) and compiled[1][-1] == 5 and compiled[1][0] != mask_token_id
             torch.testing.assert_close(compiled[0], eager[0])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -417,7 +417,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
             round_ = infill_round(generator, slots, size, vocab, mask_token_id)
             round_["logits"] = round_["logits"].to(model.dtype)
             tokens, logits = round_["tokens"], round_["logits"]
-            probabilities, greedy = generation_refusion.greedy_distributions(logits, mask_token_id)
+            probabilities, greedy = decisions_refusion.greedy_distributions(logits, mask_token_id)
             order = [*round_["fresh"].flatten().nonzero()[:, 0], *round_["queried"].flatten().nonzero()[:, 0]]
             row_of = {int(position): row for row, position in enumerate(order)}
             ar_tokens, ar_probability = tokens.clone(), torch.ones(tokens.shape, dtype=probabilities.dtype)
@@ -431,7 +431,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
             values = [expected[1], expected[2]]
             new_tokens = expected[0]
             if drafts:
-                new_tokens, found = generation_refusion.copy_drafts(round_["text"], round_["at"], new_tokens,
+                new_tokens, found = decisions_refusion.copy_drafts(round_["text"], round_["at"], new_tokens,
                                                                     expected[1], drafts, mask_token_id)  # fmt: skip
                 values.append(found)
             values.append(check_counts(expected[3]))  # the check's drafts offered and accepted, for the host
@@ -439,7 +439,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
                 logits, tokens, round_["stored"], round_["counts"], round_["until"], eos, mask_token_id, threshold,
                 round_["text"], round_["at"], drafts,
             )  # fmt: skip
-            for scored in (generation_refusion.score_infill(*arguments), compiled_steps().score_infill(*arguments)):
+            for scored in (decisions_refusion.score_infill(*arguments), compiled_steps().score_infill(*arguments)):
                 assert torch.equal(scored[0], torch.cat(values)), case
                 assert torch.equal(scored[1], new_tokens) and torch.equal(scored[2], expected[3]), case
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -466,7 +466,7 @@ def test_a_verify_forward_scored_whole_decides_as_its_parts_and_compiled_as_eage
             logits = logits.to(model.dtype)
             text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
             at = 20 + torch.arange(slots * size).view(slots, size)
-            probabilities, greedy = generation_refusion.greedy_distributions(logits.flatten(0, 1), mask_token_id)
+            probabilities, greedy = decisions_refusion.greedy_distributions(logits.flatten(0, 1), mask_token_id)
             ar_tokens, ar_probability = tokens.clone(), torch.ones(tokens.shape, dtype=probabilities.dtype)
             scored = torch.zeros(slots, size, dtype=torch.bool)
             for slot in range(slots):
@@ -477,12 +477,12 @@ def test_a_verify_forward_scored_whole_decides_as_its_parts_and_compiled_as_eage
                     ar_probability[slot, offset] = -1 if draft == mask_token_id else probabilities[row, draft]
             values, new_tokens, marks = judge_verify(tokens, scored, ar_probability, ar_tokens, eos, 0.4, keep)
             if drafts:
-                new_tokens, found = generation_refusion.copy_drafts(text, at, new_tokens, values[2], drafts,
+                new_tokens, found = decisions_refusion.copy_drafts(text, at, new_tokens, values[2], drafts,
                                                                     mask_token_id)  # fmt: skip
                 values.append(found)
             values.append(check_counts(marks))
             arguments = (logits, tokens, eos, mask_token_id, threshold, keep, text, at, drafts)
-            for decided in (generation_refusion.score_verify(*arguments), compiled_steps().score_verify(*arguments)):
+            for decided in (decisions_refusion.score_verify(*arguments), compiled_steps().score_verify(*arguments)):
                 assert torch.equal(decided[0], torch.cat(values)), case
                 assert torch.equal(decided[1], new_tokens) and torch.equal(decided[2], marks), case
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -504,17 +504,17 @@ def test_a_plan_scored_whole_picks_and_chooses_as_its_parts_and_compiled_as_eage
             logits = logits.to(model.dtype)
             text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
             at = 20 + torch.arange(slots * size).view(slots, size)
-            probabilities, greedy = generation_refusion.greedy_distributions(logits.flatten(0, 1), mask_token_id)
+            probabilities, greedy = decisions_refusion.greedy_distributions(logits.flatten(0, 1), mask_token_id)
             expected = drafts.clone()
             expected[:, :width] = greedy.view(slots, width)
             first = probabilities.gather(1, greedy[:, None])[:, 0].view(slots, width)[:, 0]
             values = [choose_slots(first, threshold).long()]
             if copies:
                 ones = torch.ones(slots, dtype=torch.long)
-                expected, found = generation_refusion.copy_drafts(text, at, expected, ones, copies, mask_token_id)
+                expected, found = decisions_refusion.copy_drafts(text, at, expected, ones, copies, mask_token_id)
                 values.append(found)
             arguments = (logits, drafts, mask_token_id, torch.tensor(threshold, dtype=torch.float64), text, at, copies)
-            for decided in (generation_refusion.score_plan(*arguments), compiled_steps().score_plan(*arguments)):
+            for decided in (decisions_refusion.score_plan(*arguments), compiled_steps().score_plan(*arguments)):
                 assert torch.equal(decided[0], torch.cat(values)) and torch.equal(decided[1], expected), case
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
@@ -577,13 +577,13 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     columns = static_cache_columns(PROMPT.shape[1], 12, 4, 8)
     compile_forwards(model, settings["compile_config"], 1, columns, draft_schedule="price")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    widths, run_model = [], generation_refusion.run_model
+    widths, run_model = [], executor_refusion.run_model
 
     def recorded(model, compiled, batch, *args):
         widths.append(batch["ids"].shape[1] if compiled is not None else None)
         return run_model(model, compiled, batch, *args)
 
-    monkeypatch.setattr(generation_refusion, "run_model", recorded)
+    monkeypatch.setattr(executor_refusion, "run_model", recorded)
     assert torch.equal(model.generate(PROMPT, **settings), eager)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every bucket was compiled before
     assert set(widths) - {None} <= set(NARROW_BUCKETS + WIDTH_BUCKETS)
@@ -599,7 +599,7 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     # a measured table that prices one query above two (measured on a busy machine, say): the decode runs a one-query
     # forward at its own width once, to see what it costs (which forwards follow depends on the times seen:
     # test_price_schedule); the same tokens
-    monkeypatch.setattr(generation_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(dip))
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(dip))
     widths.clear()
     measured = {name: value for name, value in settings.items() if name != "forward_prices"}
     assert torch.equal(model.generate(PROMPT, **measured), eager)
@@ -611,19 +611,19 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
 def test_the_prompt_runs_eagerly_at_its_own_width_where_prepacked_kernels_serve_it_cheaper(monkeypatch):
     model = sharpened_model("qwen3", scale=4.0).float()  # oneDNN packs float32, not float64
     graph_dearer = lambda *args, **kwargs: (0.001, 1.0)  # noqa: E731 (seconds a token eagerly, the graph's forward)
-    monkeypatch.setattr(generation_refusion, "prompt_prices", graph_dearer)
+    monkeypatch.setattr(executor_refusion, "prompt_prices", graph_dearer)
     settings = dict(
         max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
         pad_token_id=0, cache_implementation="static", compile_config=compile_config(),
     )  # fmt: skip
     eager = model.generate(PROMPT, **{**settings, "compile_config": None})
-    forwards, run_model = [], generation_refusion.run_model
+    forwards, run_model = [], executor_refusion.run_model
 
     def recorded(model, compiled, batch, *args):
         forwards.append((batch["ids"].shape[1], compiled is not None))
         return run_model(model, compiled, batch, *args)
 
-    monkeypatch.setattr(generation_refusion, "run_model", recorded)
+    monkeypatch.setattr(executor_refusion, "run_model", recorded)
     first = PROMPT.shape[1] + 8  # the prompt and the plan of the first block's two slots
     assert torch.equal(model.generate(PROMPT, **settings), eager)
     assert forwards[0] == (pad_width(first, WIDTH_BUCKETS), True)  # plain layers: padded to a compiled bucket
@@ -631,12 +631,12 @@ def test_the_prompt_runs_eagerly_at_its_own_width_where_prepacked_kernels_serve_
     forwards.clear()
     assert torch.equal(model.generate(PROMPT, **settings), eager)
     assert forwards[0] == (first, False) and all(compiled for _, compiled in forwards[1:])
-    monkeypatch.setattr(generation_refusion, "prompt_prices", lambda *args, **kwargs: (1.0, 0.001))
+    monkeypatch.setattr(executor_refusion, "prompt_prices", lambda *args, **kwargs: (1.0, 0.001))
     model._refusion_prompt_prices.clear()  # measured again: the graph is cheaper now
     forwards.clear()
     assert torch.equal(model.generate(PROMPT, **settings), eager)
     assert forwards[0] == (pad_width(first, WIDTH_BUCKETS), True)
-    monkeypatch.setattr(generation_refusion, "prompt_prices", graph_dearer)
+    monkeypatch.setattr(executor_refusion, "prompt_prices", graph_dearer)
     model._refusion_prompt_prices.clear()
     kernels_refusion.prepack_linears(model, {torch.float32: first + 1})  # narrower than the packs' rows: compiled
     forwards.clear()
@@ -654,17 +654,17 @@ def test_the_prompts_path_is_measured_once_per_bucket_and_prorated_by_width(monk
         timed.append((width, compiled is not None))
         return 0.03 if compiled is not None else 0.001 * width
 
-    monkeypatch.setattr(generation_refusion, "timed_forward", fake)
+    monkeypatch.setattr(executor_refusion, "timed_forward", fake)
     cache, backbone = SlotCache(model, 1, 128), object()
-    runs_eagerly = generation_refusion.prompt_runs_eagerly
+    runs_eagerly = executor_refusion.prompt_runs_eagerly
     assert runs_eagerly(model, backbone, cache, 20, WIDTH_BUCKETS)  # 20 ms eagerly, 30 in the graph of 32
     assert timed == [(20, False), (32, True)] * 3  # a warm-up and two timed forwards each, in turn
     assert runs_eagerly(model, backbone, cache, 29, WIDTH_BUCKETS)
     assert not runs_eagerly(model, backbone, cache, 31, WIDTH_BUCKETS)  # 31 ms, prorated from 20 tokens' price
     assert len(timed) == 6  # measured once for the bucket
     assert not runs_eagerly(model, backbone, cache, 40, WIDTH_BUCKETS) and len(timed) == 12  # the bucket of 64
-    walks, packed_for = [], generation_refusion.packed_for
-    monkeypatch.setattr(generation_refusion, "packed_for", lambda *args: walks.append(args[1]) or packed_for(*args))
+    walks, packed_for = [], executor_refusion.packed_for
+    monkeypatch.setattr(executor_refusion, "packed_for", lambda *args: walks.append(args[1]) or packed_for(*args))
     assert not runs_eagerly(model, backbone, cache, 40, WIDTH_BUCKETS) and not walks  # known: the graph, no walk
     assert runs_eagerly(model, backbone, cache, 20, WIDTH_BUCKETS) and walks == [20]  # eager only if packed for it
     assert runs_eagerly(model, backbone, cache, 100, WIDTH_BUCKETS) and len(timed) == 12  # past the buckets: eager
@@ -694,7 +694,7 @@ def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a
     assert not torch.equal(changed, eager)  # the change matters to the answer
     config, _, saved, owner, attention, old_graphs = model._refusion_compiled
     model._refusion_compiled = (
-        config, generation_refusion.frozen_weights(model, frozen), saved, owner, attention, old_graphs
+        config, compiling_refusion.frozen_weights(model, frozen), saved, owner, attention, old_graphs
     )  # fmt: skip
     assert torch.equal(model.generate(PROMPT, **settings), eager)  # the weights were frozen: the old graphs are stale
     del model._refusion_compiled
@@ -704,7 +704,7 @@ def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert torch.equal(model.generate(PROMPT, **settings), restored)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # compiled again with the new weights
-    assert generation_refusion.frozen_weights(model, frozen) == model._refusion_compiled[1]
+    assert compiling_refusion.frozen_weights(model, frozen) == model._refusion_compiled[1]
 
 
 def causal_forward(model, compiled, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -739,7 +739,7 @@ def test_frozen_graphs_of_narrow_widths_end_with_the_output_layer():
     assert vocab != hidden
     for config, logits_width in ((frozen, LOGITS_IN_GRAPH_WIDTH), (compile_config(), 0)):
         model.__dict__.pop("_refusion_compiled", None)
-        compiled = generation_refusion.compiled_backbone(model, config)
+        compiled = compiling_refusion.compiled_backbone(model, config)
         assert compiled.logits_width == logits_width
         for width in (NARROW_BUCKETS[-1], WIDTH_BUCKETS[1]):
             output, logits = causal_forward(model, compiled, width)
@@ -750,7 +750,7 @@ def test_frozen_graphs_of_narrow_widths_end_with_the_output_layer():
 
 def test_without_freezing_a_weight_change_reuses_the_compiled_graphs():
     """Unfrozen graphs read the weights at every call: a changed weight needs no new compile (and gets none)."""
-    assert not generation_refusion.freezes_weights(compile_config())
+    assert not compiling_refusion.freezes_weights(compile_config())
     model = sharpened_model("qwen3", scale=4.0)
     settings = dict(
         max_new_tokens=12, slot_size=4, block_length=8, eos_token_id=[], pad_token_id=0, cache_implementation="static",
@@ -768,6 +768,6 @@ def test_without_freezing_a_weight_change_reuses_the_compiled_graphs():
 def test_module_tensors_are_the_models_parameters_and_buffers_in_a_fixed_order():
     model = sharpened_model("llama", scale=4.0)
     model.register_buffer("nothing", None)  # registered as None: not a tensor
-    tensors = generation_refusion.module_tensors(model)
+    tensors = compiling_refusion.module_tensors(model)
     assert {id(tensor) for tensor in tensors} == {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
-    assert [id(tensor) for tensor in generation_refusion.module_tensors(model)] == [id(tensor) for tensor in tensors]
+    assert [id(tensor) for tensor in compiling_refusion.module_tensors(model)] == [id(tensor) for tensor in tensors]

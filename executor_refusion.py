@@ -1,0 +1,391 @@
+"""The KV cache of a ReFusion decode and the forwards that fill it.
+
+`execute` runs the requests of all rows of a batch as one forward, reads every row's integers to the host at once (a
+step waits for the device once) and hands them back to each row's `SlotDecoder`. The cache is a `DynamicCache`, or
+with `cache_implementation="static"` a `SlotCache` allocated once, where each row stores its tokens in the order they
+were decoded (`StaticLayout` says where, and builds the attention mask), whose forwards can run compiled, padded to a
+few widths (`WIDTH_BUCKETS`) and attending over the fewest columns that hold every row (`key_windows`).
+"""
+
+import contextlib
+import threading
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
+
+try:
+    from .decisions_refusion import EAGER_STEPS, NEVER, StepFunctions, attention_mask
+    from .decoder_refusion import FIELDS, PADDING, Request, SlotDecoder, upload
+except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from decisions_refusion import EAGER_STEPS, NEVER, StepFunctions, attention_mask
+    from decoder_refusion import FIELDS, PADDING, Request, SlotDecoder, upload
+
+
+# Compiled forwards run at these widths: a forward's new tokens are padded up to the nearest, so that a decode compiles
+# a bounded number of graphs. Wider forwards (a long plan) run eagerly over the same static cache, and so does the
+# prompt's where the model's linear layers are prepacked for it and that measured cheaper (`prompt_runs_eagerly`).
+# Priced drafts (`draft_schedule="price"`) also get the narrow buckets: where width is dear they choose forwards of one
+# or two queries, which padded to 8 would cost what 8 cost.
+WIDTH_BUCKETS = (8, 16, 32, 64)
+NARROW_BUCKETS = (1, 2, 4)
+# With the weights frozen into the graphs, a compiled forward of up to this many new tokens ends with the output layer
+# (over all of them), whose weight inductor then packs for its own GEMM kernels: at these widths cheaper than the eager
+# output layer, prepacked or not, and most of all in bfloat16 on a CPU without oneDNN's bfloat16 kernels (AVX2), which
+# has no packed eager kernel for it. Wider forwards (a prompt) keep it eager over the tokens whose logits are used
+# (`run_model`).
+LOGITS_IN_GRAPH_WIDTH = 8
+CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
+# A forward of up to `WINDOW_WIDTH` new tokens over a static cache attends over its first columns only, the fewest of
+# `key_windows` that hold every row's stored and new tokens: a static cache is sized for the longest answer and the
+# widest forward, and attention over its unwritten columns costs as if they were written. Each window is a graph of
+# its own; wider forwards, rare after the prompt's, attend over the whole cache, which bounds the graphs compiled.
+WINDOW_WIDTH = 8
+
+
+class SlotCache(Cache):
+    """Static K/V storage for slot decoding: `[batch, kv heads, max_cache_len, head dim]` per layer, allocated once
+    (transformers' `StaticLayer`), which `torch.compile` can capture. Each row keeps its stored tokens in storage
+    order at columns 0, 1, ... (a token's column is its rank); a forward writes its new tokens at the `columns`
+    (`[batch, width]`) the executor sets, and keeping only the accepted queries is moving the row's write pointer
+    back: the next forward overwrites the rest, and the mask hides every column not yet written or dropped. A forward
+    attends over the first `window` columns (`key_window`; the executor sets it with the mask, whose columns match)."""
+
+    def __init__(self, model, batch_size: int, max_cache_len: int):
+        text_config = model.config.get_text_config(decoder=True)
+        super().__init__(layers=[StaticLayer(max_cache_len) for _ in range(text_config.num_hidden_layers)])
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.early_initialization(batch_size, text_config.num_key_value_heads, head_dim, model.dtype, model.device)
+        self.max_cache_len = self.window = max_cache_len  # window: the columns a forward attends over (`key_window`)
+        self.columns = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)
+        self.rows = torch.arange(batch_size, device=model.device)[:, None]  # each row's index, against its columns
+        self.lock = threading.Lock()  # held by the decode using the cache (`claimed`)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # An indexed assignment, which inductor writes in place into the cache tensors; `scatter_` there became a copy
+        # of each layer's keys and values, written back after attention.
+        layer, rows = self.layers[layer_idx], self.rows[: key_states.shape[0]]
+        layer.keys[rows, :, self.columns] = key_states.transpose(1, 2)
+        layer.values[rows, :, self.columns] = value_states.transpose(1, 2)
+        if self.window < self.max_cache_len:
+            return layer.keys[:, :, : self.window], layer.values[:, :, : self.window]
+        return layer.keys, layer.values
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "lock"}  # (a copy gets a lock of its own)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, lock=threading.Lock())
+
+    @contextlib.contextmanager
+    def claimed(self):
+        """Hold the cache for one decode: a model keeps its compiled decodes' cache, and two threads decoding with it
+        at once would overwrite each other's keys and values."""
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError(
+                "This model is already decoding over its static cache in another thread: decode from one thread at a "
+                "time, give each thread a model of its own, or use cache_implementation='dynamic'."
+            )
+        try:
+            yield self
+        finally:
+            self.lock.release()
+
+    def fits(self, model, batch_size: int, max_cache_len: int) -> bool:
+        """Whether this cache serves a decode of `batch_size` rows needing `max_cache_len` columns on `model`."""
+        keys = self.layers[0].keys
+        return (keys.shape[0], keys.dtype, keys.device) == (batch_size, model.dtype, model.device) and (
+            max_cache_len <= self.max_cache_len
+        )
+
+
+def cache_length(needed: int) -> int:
+    """`needed` columns rounded up to a multiple of `CACHE_LENGTH_MULTIPLE`."""
+    return -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
+
+
+def key_windows(max_cache_len: int) -> list[int]:
+    """The key windows of a static cache of `max_cache_len` columns: `CACHE_LENGTH_MULTIPLE` doubled while shorter,
+    then the whole cache."""
+    windows = [min(CACHE_LENGTH_MULTIPLE, max_cache_len)]
+    while windows[-1] < max_cache_len:
+        windows.append(min(2 * windows[-1], max_cache_len))
+    return windows
+
+
+def key_window(needed: int, width: int, max_cache_len: int) -> int:
+    """The columns a forward of `width` new tokens a row attends over, its rows needing the first `needed` (stored
+    and new tokens): the fewest of `key_windows` that hold them where `width` is at most `WINDOW_WIDTH`, else all."""
+    if width > WINDOW_WIDTH:
+        return max_cache_len
+    return next(window for window in key_windows(max_cache_len) if window >= min(needed, max_cache_len))
+
+
+def slot_cache(model, batch_size: int, needed: int, keep: bool = True) -> SlotCache:
+    """A static cache of at least `needed` columns (rounded up to `CACHE_LENGTH_MULTIPLE`). With `keep`, the model's
+    kept one when it fits, else a new one kept in its place (`model._refusion_slot_cache`): compiled forwards then see
+    the same cache tensors from one `generate()` call to the next. The kept cache is the size of the longest decode
+    since; `del model._refusion_slot_cache` frees it. Without `keep`, a new cache for the caller alone."""
+    length = cache_length(needed)
+    if not keep:
+        return SlotCache(model, batch_size, length)
+    cache = getattr(model, "_refusion_slot_cache", None)
+    if cache is None or not cache.fits(model, batch_size, length):
+        cache = SlotCache(model, batch_size, length)
+        model._refusion_slot_cache = cache
+    return cache
+
+
+class CacheLayout:
+    """Where the rows' tokens are in a `DynamicCache` (or, with no cache, in a forward that recomputes them): one
+    column per token of the batch, appended forward after forward; rows of different lengths leave holes, hidden by
+    giving them rank `NEVER`. Rows that finish leave the batch."""
+
+    def __init__(self, cache: DynamicCache | None, batch_size: int, device):
+        self.cache, self.rows = cache, list(range(batch_size))
+        self.ranks = torch.zeros((batch_size, 0), dtype=torch.long, device=device)  # per row and cache column
+        self.groups = torch.zeros_like(self.ranks)
+
+    def batch_rows(self, live: list[int]) -> list[int]:
+        """The rows of the next forward's batch: the `live` ones (the cache drops the others)."""
+        if live != self.rows and self.cache is not None:
+            # one upload for all three (a tensor indexed with a list copies it to the device and waits there)
+            keep = upload([self.rows.index(row) for row in live], self.ranks.device)
+            self.cache.batch_select_indices(keep)
+            self.ranks, self.groups = self.ranks[keep], self.groups[keep]
+        self.rows = live
+        return live
+
+    def mask(self, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
+        """The attention mask of the batch's new tokens (`sizes` per row, before left padding), appended after the
+        cache's columns."""
+        key_ranks = torch.cat([self.ranks, batch["ranks"]], dim=1)
+        key_groups = torch.cat([self.groups, batch["groups"]], dim=1)
+        return attention_mask(key_ranks, key_groups, batch["ranks"], batch["prefixes"], batch["groups"],
+                              batch["parents"], self.ranks.shape[1], dtype)  # fmt: skip
+
+    def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
+        """After a forward: each row keeps its first `kept` new tokens (pending and accepted queries), the rest goes."""
+        if self.cache is None:
+            return
+        width = batch["ids"].shape[1]
+        kept_ends = [width - size + count for size, count in zip(sizes, kept)]
+        end = max(kept_ends)
+        keep = torch.arange(end, device=self.ranks.device) < upload(kept_ends, self.ranks.device)[:, None]
+        self.ranks = torch.cat([self.ranks, batch["ranks"][:, :end].masked_fill(~keep, NEVER)], dim=1)
+        self.groups = torch.cat([self.groups, batch["groups"][:, :end]], dim=1)
+        self.cache.crop(end - width)
+
+
+class StaticLayout:
+    """Where the rows' tokens are in a `SlotCache`: row r's stored tokens at columns 0 .. pointer[r] - 1; a forward's
+    new tokens at pointer[r] onwards, its left padding after them. The batch keeps its rows (finished rows run as
+    padding), so shapes stay static."""
+
+    def __init__(self, cache: SlotCache, batch_size: int, device, steps: StepFunctions | None = None):
+        self.cache, self.pointers, self.steps = cache, [0] * batch_size, steps or EAGER_STEPS
+        self.columns = torch.arange(cache.max_cache_len, device=device)
+        self.groups = torch.full((batch_size, cache.max_cache_len), PADDING["groups"], device=device)
+
+    def batch_rows(self, live: list[int]) -> list[int]:
+        return list(range(len(self.pointers)))
+
+    def mask(self, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
+        """The attention mask of the batch's new tokens (`sizes` per row, before left padding), which go to the cache
+        at its rows' pointers (`static_mask`), over the cache's key window for the forward (`key_window`), which this
+        sets."""
+        width, needed = batch["ids"].shape[1], max(self.pointers) + batch["ids"].shape[1]
+        if needed > self.cache.max_cache_len:
+            raise RuntimeError(
+                f"The static cache ({self.cache.max_cache_len} columns) is too short for this forward: a row has "
+                f"{max(self.pointers)} stored tokens and {width} new ones. This is a bug in sizing the cache."
+            )
+        pointers, lengths = upload([*self.pointers, *sizes], self.columns.device).view(2, -1)
+        self.cache.columns, self.groups, mask = self.steps.static_mask(
+            pointers, lengths, self.columns, self.groups, batch["ranks"], batch["prefixes"], batch["groups"],
+            batch["parents"], dtype,
+        )  # fmt: skip
+        self.cache.window = key_window(needed, width, self.cache.max_cache_len)
+        return mask[..., : self.cache.window]  # (the columns past it: not written yet, hidden)
+
+    def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
+        self.pointers = [pointer + count for pointer, count in zip(self.pointers, kept)]
+
+
+def width_buckets(draft_schedule: str) -> tuple[int, ...]:
+    """The widths compiled forwards run at under `draft_schedule`: `WIDTH_BUCKETS`, and for priced drafts the
+    `NARROW_BUCKETS` too."""
+    return NARROW_BUCKETS + WIDTH_BUCKETS if draft_schedule == "price" else WIDTH_BUCKETS
+
+
+def packed_for(model, width: int) -> bool:
+    """Whether every linear layer of `model` computes a forward of `width` new tokens through prepacked kernels
+    (`kernels_refusion.prepack_linears`: layers with a `packed_from(dtype)`, the fewest rows packed in that dtype)."""
+
+    def packs(layer) -> bool:
+        rows = layer.packed_from(layer.weight.dtype) if hasattr(layer, "packed_from") else None
+        return rows is not None and rows <= width
+
+    # (lazily: a model whose first linear layer is not packed, as one never prepacked, is answered there)
+    layers = (module for module in model.modules() if isinstance(module, torch.nn.Linear))
+    first = next(layers, None)
+    return first is not None and packs(first) and all(map(packs, layers))
+
+
+def pad_width(width: int, buckets: tuple[int, ...] | None) -> int:
+    """The width a forward of `width` new tokens runs at: the nearest of the compiled forwards' `buckets` (None:
+    eager); wider than the widest, as it is (it runs eagerly)."""
+    if buckets is None or width > buckets[-1]:
+        return width
+    return next(bucket for bucket in buckets if bucket >= width)
+
+
+def padded_batch(requests: list["Request | None"], width: int, padding: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A forward's `FIELDS`, `[rows, width]` each: each row's request left-padded with the `padding` column (the
+    `PADDING` values, `[len(FIELDS), 1]`; a row without a request is padding only). One concatenation a row and one
+    stack: padding each field apart took six calls a row, which decoding paid every forward."""
+    if len(requests) == 1 and requests[0] is not None and len(requests[0]) == width:  # one row, no padding: views
+        return dict(zip(FIELDS, requests[0].fields[:, None].unbind()))
+    rows = [padding.expand(-1, width - len(request or ())) for request in requests]
+    rows = [torch.cat([row, request.fields], dim=1) if request else row for row, request in zip(rows, requests)]
+    return dict(zip(FIELDS, torch.stack(rows, dim=1).unbind()))
+
+
+def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logits: int) -> torch.Tensor:
+    """The logits of each row's last `num_logits` tokens: when the batch's width is a bucket, through the `compiled`
+    backbone, whose graphs up to its `logits_width` end with the output layer (frozen weights), and otherwise the
+    output layer over those tokens only, eagerly (prepacked weights serve it there; inside a graph of a wide bucket
+    it would run over every padded token, a large share of a prompt's forward, and graphs that do not freeze the
+    weights get no packed kernel for it); else through the model eagerly."""
+    inputs = dict(input_ids=batch["ids"], position_ids=batch["positions"], attention_mask=mask, cache=cache)
+    width = batch["ids"].shape[1]
+    if compiled is not None and width <= WIDTH_BUCKETS[-1]:  # a bucket (`pad_width`)
+        output = compiled(**inputs, use_cache=True)
+        if width <= compiled.logits_width:
+            return output[:, -num_logits:]
+        return model.get_output_embeddings()(output[:, -num_logits:])
+    return model(**inputs, use_cache=cache is not None, logits_to_keep=num_logits).logits
+
+
+def execute(
+    model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None, buckets=None
+) -> int:
+    """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
+    whole sequence), through the `compiled` backbone where given, padded to its width `buckets`. After each forward
+    every row scores its logits on the device, and the scores of all rows come to the host in one read. Returns the
+    number of forwards."""
+    device = decoders[0].device
+    requests = [decoder.request() for decoder in decoders]
+    if isinstance(cache, SlotCache):
+        layout = StaticLayout(cache, len(decoders), device, decoders[0].steps)
+    else:
+        layout = CacheLayout(cache, len(decoders), device)
+    # A forward runs at the width bucket priced cheapest for it (`ForwardPrices.run_width`); a measured price table
+    # (not the caller's) learns what forwards over the kind of cache it was measured on took.
+    pricing = decoders[0].prices if compiled is not None else None
+    prices = decoders[0].prices if isinstance(cache, SlotCache) else None
+    prices = prices if prices is not None and prices.key is not None else None
+    padding = upload(list(PADDING.values()), device)[:, None]
+    dtype = model.dtype  # (read once: transformers finds it by walking the parameters, each time)
+    forwards = 0
+    while live := [row for row, request in enumerate(requests) if request is not None]:
+        rows = layout.batch_rows(live)
+        batch_requests = [requests[row] for row in rows]
+        sizes = [len(request) if request else 0 for request in batch_requests]
+        # The first forward, the prompts', runs eagerly at its own width where prepacked kernels serve it cheaper
+        eager_prompt = not forwards and prompt_runs_eagerly(model, compiled, cache, max(sizes), buckets)
+        graph, graph_buckets = (None, None) if eager_prompt else (compiled, buckets)
+        width = pad_width(max(sizes), graph_buckets)
+        if graph_buckets is not None and pricing is not None:
+            width = pricing.run_width(width)
+        # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
+        batch = padded_batch(batch_requests, width, padding)
+        mask = layout.mask(batch, sizes, dtype)
+        num_logits = max(request.num_queries for request in batch_requests if request)
+        started = time.perf_counter()
+        logits = run_model(model, graph, batch, mask, cache, num_logits)
+        forwards += 1
+        scores = [
+            decoders[row].score(logits[position, num_logits - request.num_queries :]) if request else None
+            for position, (row, request) in enumerate(zip(rows, batch_requests))
+        ]
+        read = [score for score in scores if score is not None and score.shape[0]]
+        values = (read[0] if len(read) == 1 else torch.cat(read)).tolist() if read else []  # the one wait a step
+        if prices is not None and read and num_logits == width:  # as measured: every new token scored
+            prices.observe(width, time.perf_counter() - started)
+        kept, start = [], 0
+        for row, request, score in zip(rows, batch_requests, scores):
+            if request is None:
+                kept.append(0)
+                continue
+            decoder, end = decoders[row], start + score.shape[0]
+            queries_kept = decoder.advance(values[start:end])
+            start = end
+            requests[row] = decoder.request()
+            kept.append(len(request) - request.num_queries + queries_kept)
+        layout.keep(batch, sizes, kept)
+    return forwards
+
+
+def static_cache_columns(prompt_length: int, max_new_tokens: int, slot_size: int, block_length: int) -> int:
+    """Columns a static cache needs for prompts of up to `prompt_length` tokens: each row stores its prompt and
+    answer (whole slots) once, and a forward's new tokens (the prompt and a block's plan at first, then at most a
+    block's fresh tokens, `[MASK]` queries and drafts plus the tokens committed since the last forward) go after
+    them, padded up to a width bucket."""
+    answer = -(-max_new_tokens // slot_size) * slot_size
+    widest = max(4 * block_length, WIDTH_BUCKETS[-1])
+    return max(prompt_length + block_length, prompt_length + answer + widest)
+
+
+def timed_forward(model, compiled, cache: SlotCache, width: int, num_logits: int) -> float:
+    """Seconds one forward of `width` new tokens a row takes over `cache` through the `compiled` backbone (None:
+    eagerly), waiting for the device. The tokens are padding: what they write, the mask of a decode hides."""
+    batch_size, device = cache.layers[0].keys.shape[0], model.device
+    batch = {name: torch.full((batch_size, width), value, dtype=torch.long, device=device)
+             for name, value in PADDING.items()}  # fmt: skip
+    mask = StaticLayout(cache, batch_size, device).mask(batch, [0] * batch_size, model.dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    run_model(model, compiled, batch, mask, cache, num_logits).sum().item()  # waits for the device
+    return time.perf_counter() - start
+
+
+def prompt_runs_eagerly(model, compiled, cache, width: int, buckets: tuple[int, ...] | None) -> bool:
+    """Whether a decode's first forward (its prompts', `width` new tokens a row) through the `compiled` backbone runs
+    eagerly at its own width rather than padded to its bucket in a graph: where the model's linear layers are
+    prepacked for it (`packed_for`) and cost no more so, by the prices `prompt_prices` measured once per backbone,
+    batch size, cache length and bucket (kept on the model). Past the widest bucket a forward runs eagerly anyway.
+    Which is cheaper depends on the CPU (the eager packed kernels against the graph's, and the graph's padding), so
+    it is measured rather than assumed."""
+    if compiled is None or not isinstance(cache, SlotCache):
+        return False
+    bucket = pad_width(width, buckets)
+    in_graph = buckets is not None and bucket <= buckets[-1]
+    known = getattr(model, "_refusion_prompt_prices", None)
+    if known is None:
+        known = model._refusion_prompt_prices = {}
+    key = (id(compiled), cache.layers[0].keys.shape[0], cache.max_cache_len, bucket)
+    if in_graph and key in known and known[key][0] * width > known[key][1]:
+        return False  # the graph is cheaper, as measured (asked first: `packed_for` walks every layer)
+    if not packed_for(model, width):
+        return False
+    if not in_graph:
+        return True
+    if key not in known:
+        known[key] = prompt_prices(model, compiled, cache, width, bucket)
+    eager_per_token, graph = known[key]
+    return eager_per_token * width <= graph
+
+
+def prompt_prices(model, compiled, cache: SlotCache, width: int, bucket: int, repeats: int = 2) -> tuple[float, float]:
+    """What a first forward costs eagerly, per new token (measured at `width`: a narrower one is prorated, which
+    prices it low, so that a prompt goes eagerly, as it did before prices were measured, wherever in doubt), and
+    through `compiled` padded to `bucket`: each the fastest of `repeats`, after a warm-up, the two timed in turn."""
+    num_logits = min(width, LOGITS_IN_GRAPH_WIDTH)
+    eager, graph = [], []
+    for _ in range(repeats + 1):
+        eager.append(timed_forward(model, None, cache, width, num_logits))
+        graph.append(timed_forward(model, compiled, cache, bucket, num_logits))
+    return min(eager[1:]) / width, min(graph[1:])

@@ -1,0 +1,702 @@
+"""Saved forwards: a static-cache decode's forwards compiled ahead of time and kept on disk (`compile_cache_dir=`).
+
+`SavedForwards` exports the backbone once per input shape (batch size, width, cache length, key window), compiles it
+with AOTInductor into a package in the folder and loads it in later processes instead of compiling. Packages are built
+under partial names and renamed when whole, checked against a digest when loaded and rebuilt when damaged
+(`load_or_build_package`). `SavedStep` does the same for the decode's step functions. This module reaches into
+torch's AOTInductor runtime where no public API does the job (`PackageRunner`, `SharedWeights`); each such use has a
+fallback that keeps decoding, slower, with one warning. Only `compiling_refusion.compiled_backbone` imports it, and
+only for a decode that asked for saved forwards.
+"""
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import CompileConfig
+from transformers import __version__ as transformers_version
+from transformers.utils import logging
+
+try:
+    from .compiling_refusion import (
+        compiled_steps,
+        cpu_kernel_configs,
+        cpu_name,
+        device_name,
+        freezes_weights,
+        graph_logits_width,
+        source_digest,
+    )
+    from .decisions_refusion import (
+        copy_drafts,
+        greedy_distributions,
+        score_infill,
+        score_plan,
+        score_verify,
+        static_mask,
+    )
+    from .executor_refusion import WINDOW_WIDTH, SlotCache
+    from .settings_refusion import attention_fingerprint
+except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from compiling_refusion import (
+        compiled_steps,
+        cpu_kernel_configs,
+        cpu_name,
+        device_name,
+        freezes_weights,
+        graph_logits_width,
+        source_digest,
+    )
+    from decisions_refusion import (
+        copy_drafts,
+        greedy_distributions,
+        score_infill,
+        score_plan,
+        score_verify,
+        static_mask,
+    )
+    from executor_refusion import WINDOW_WIDTH, SlotCache
+    from settings_refusion import attention_fingerprint
+
+logger = logging.get_logger(__name__)
+
+# On some CPUs the saved forwards of up to `WINDOW_WIDTH` new tokens keep their weights outside their code, so that
+# they run from one copy of them (`SavedForwards`, `SharedWeights`): inductor's configs for that.
+WEIGHTS_APART = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "binary_blob",
+}
+SHAPES_REMEMBERED = 1024  # a `SavedStep`'s runners by exact input shapes (the text's length varies by prompt)
+# Where a saved forward is compiled two ways and the faster kept (`SavedForwards`), each runs this many times in turn
+# on the forward's own inputs, the first of each untimed.
+PACKAGE_RACE_ROUNDS = 6
+# A package's partial file (`load_or_build_package`) this many seconds old was left by a build that was killed: a live
+# build renames its partial within minutes (the longest wait: a rival compiled beside it, `SavedForwards.keep_faster`).
+PARTIAL_STALE = 3600.0
+
+
+class SavedForwards:
+    """The backbone's forwards compiled ahead of time (`torch.export`, then AOTInductor with the compile config's mode
+    and options), one package per input shape (batch size, width, cache length), kept in `folder` as `<key>.pt2`: a
+    later process loads a package where `torch.compile` traces and compiles again (each width, even with inductor's disk
+    cache warm, and longest with frozen weights). The key (`saved_forward_key`) covers what a package depends on: the
+    weights' contents (a package holds them, frozen or not), the model's class, config, dtype and device, the compile
+    config, this file's source and the versions of torch and transformers. A package is checked against the digest kept
+    beside it before it loads, and one that fails (damaged, another key's, or without a digest) or does not load (built
+    elsewhere) is compiled again, with a warning (`load_or_build_package`). Packages are written whole (to a partial
+    file, then renamed), so processes may share a folder. Called as the compiled backbone is (`run_model`); CUDA graphs
+    (`mode="reduce-overhead"`) do not apply to packages.
+
+    On a CPU without oneDNN's bfloat16 kernels (AVX2), autotuned forwards with frozen weights take their matrix
+    products from inductor's C++ template alone (`max_autotune_gemm_backends="CPP"`, unless the compile config names
+    the backends): AOTInductor free to choose took ATen's unpacked product for some linear layers of a narrow
+    package, which then cost well above its one-query package, where `torch.compile`, free or not, takes the template
+    throughout (the like on CUDA: pytorch/pytorch#180811). Where the template has no kernel for some product (a dtype
+    it does not cover), the package is compiled with the backends the config gives. Where oneDNN has bfloat16 kernels
+    (AVX512-BF16, AMX) autotuning chooses freely: without AMX the template multiplies bfloat16 in float32, and
+    autotuning takes oneDNN's packed product for the wider forwards, which the template alone would make dearer.
+
+    On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of up to `WINDOW_WIDTH` new tokens take
+    their products from inductor's C++ template alone (there autotuning takes it for each width anyway; left to
+    choose for a width it does not know, it took oneDNN's, the slower) and keep their weights outside their code
+    (`WEIGHTS_APART`), where the template's packed layout does not depend on the width: the packages run from one copy
+    of the weights (`SharedWeights`), so that a decode alternating widths does not evict one package's weights from
+    the processor's caches with another's. Run in turn as a decode runs them, the narrow forwards so cost less than
+    from one package of dynamic width (one query padded to two) or from packages each with a copy of its own, with
+    the same logits.
+
+    On a CPU with oneDNN's bfloat16 kernels but no AMX (AVX512-BF16 alone), autotuned forwards with frozen weights of up
+    to `WINDOW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
+    (`max_autotune_gemm_backends="ATEN"`), and the package whose forward runs faster on the forward's own inputs is the
+    one kept (`race_packages`). Autotuning times each product alone with its weights in the caches, where the template
+    wins at narrow widths; a forward streams all the weights, where oneDNN's kernels (AVX512-BF16) can do better, and
+    which does depends on the processor. The race costs a second compile of the narrow widths."""
+
+    def __init__(self, model, compile_config: CompileConfig, folder: Path):
+        if compile_config.backend != "inductor":
+            raise ValueError(
+                f"compile_cache_dir keeps forwards compiled by inductor (AOTInductor); the compile config asks for "
+                f"backend={compile_config.backend!r}."
+            )
+        mode_options = torch._inductor.list_mode_options(compile_config.mode or "default")
+        mode_options.pop("triton.cudagraphs", None)
+        configs = cpu_kernel_configs(model.device, {**mode_options, **(compile_config.options or {})})
+        self.attempts = [configs]  # the inductor configs to compile a package with, in turn until one compiles
+        autotuned = configs.get("max_autotune") or configs.get("max_autotune_gemm")
+        # autotuned CPU packages with frozen weights whose GEMM backends this class picks (the config names none)
+        picks_backends = model.device.type == "cpu" and autotuned and freezes_weights(compile_config) \
+            and "max_autotune_gemm_backends" not in configs  # fmt: skip
+        if picks_backends and not onednn_bfloat16():
+            self.attempts = template_first(configs)
+        self.model, self.folder, self.runners = model, folder, {}
+        self.fingerprint = saved_forward_key(model, compile_config)
+        self.logits_width = graph_logits_width(compile_config)
+        # the inductor configs of the narrow widths' packages, whose weights are shared, in turn; None: compiled as
+        # the others are, each with weights of its own
+        self.narrow_attempts = None
+        if amx_bfloat16(model.device) and autotuned and self.logits_width >= WINDOW_WIDTH \
+                and configs.get("max_autotune_gemm_backends", "CPP") == "CPP":  # fmt: skip
+            self.narrow_attempts = [{**attempt, **WEIGHTS_APART} for attempt in template_first(configs)]
+        self.weights = SharedWeights()
+        # the inductor configs a narrow width's package races against, in turn; None: compiled as configured alone
+        self.rival_attempts = None
+        if picks_backends and onednn_bfloat16() and not amx_bfloat16(model.device):
+            self.rival_attempts = [{**configs, "max_autotune_gemm_backends": "ATEN"}]
+        # the decoder's attention masks, scoring, whole infill rounds and copied drafts, compiled ahead of time beside
+        # the forwards (a fused-redraft round's decision stays compiled)
+        self.steps = dataclasses.replace(
+            compiled_steps(),
+            greedy_distributions=SavedStep(greedy_distributions, folder, ({0: "rows"}, None)),
+            copy_drafts=SavedStep(copy_drafts, folder, ({0: "text"}, *[{0: "slots"}] * 3, None, None)),
+            static_mask=SavedStep(static_mask, folder, (
+                {0: "rows"}, {0: "rows"}, {0: "columns"}, {0: "rows", 1: "columns"}, *[{0: "rows", 1: "width"}] * 4,
+                None,
+            )),
+            score_infill=SavedStep(score_infill, folder, (
+                {0: "logits"}, *[{0: "slots"}] * 4, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None,
+            )),
+            score_verify=SavedStep(score_verify, folder, (
+                {0: "slots", 1: "width"}, {0: "slots"}, {0: "eos"}, None, {}, {}, {0: "text"}, {0: "slots"}, None,
+            )),
+            score_plan=SavedStep(score_plan, folder, (
+                {0: "slots", 1: "width"}, {0: "slots"}, None, {}, {0: "text"}, {0: "slots"}, None,
+            )),
+        )  # fmt: skip
+
+    def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
+        shape = (*input_ids.shape, cache.max_cache_len, cache.window)
+        attention_mask = attention_mask.contiguous()  # (a key window's columns of the mask)
+        if shape not in self.runners:
+            inputs = (
+                input_ids, position_ids, attention_mask, cache.columns,
+                [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+            )  # fmt: skip
+            self.runners[shape] = self.load_or_compile(shape, inputs, cache)
+        # the package's inputs as its pytree flattens them, run boxed: its own call reads its specs from JSON and
+        # flattens the inputs every time
+        flat = [input_ids, position_ids, attention_mask, cache.columns]
+        flat += [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+        return self.runners[shape].boxed_run(flat)[0]
+
+    def __deepcopy__(self, memo):
+        return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
+
+    def key(self, shape: tuple[int, int, int, int]) -> str:
+        """What the package of forwards of `shape` (batch size, width, cache length, key window) is built for."""
+        return f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}, window {shape[3]}"
+
+    def path(self, shape: tuple[int, int, int, int]) -> Path:
+        """Where the package of forwards of `shape` (batch size, width, cache length, key window) is kept."""
+        return self.folder / f"{hashlib.sha256(self.key(shape).encode()).hexdigest()[:32]}.pt2"
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether the forwards of up to `WINDOW_WIDTH` new tokens run from one copy of the weights."""
+        return self.narrow_attempts is not None
+
+    @property
+    def kind(self) -> str:
+        """The forwards' path as a price table's key names it (`price_key`)."""
+        shared = f", widths up to {WINDOW_WIDTH} sharing their weights" if self.shares_weights else ""
+        return f"saved (AOTInductor){shared}"
+
+    def load_or_compile(self, shape: tuple[int, int, int, int], inputs: tuple, cache: "SlotCache"):
+        """The runner of the package of forwards of `shape`, loaded, or compiled first (from `inputs`, over `cache`)."""
+        shared = self.shares_weights and shape[1] <= WINDOW_WIDTH
+
+        def build(package_path: str):
+            head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
+            backbone = ExportedBackbone(self.model.get_decoder(), cache, shape[3], head)
+            exported = torch.export.export(backbone, inputs, strict=False)
+            compile_package(exported, shape, self.narrow_attempts if shared else self.attempts, package_path)
+            if self.rival_attempts and shape[1] <= WINDOW_WIDTH:
+                self.keep_faster(exported, shape, inputs, package_path)
+
+        flat = [*inputs[:4], *inputs[4], *inputs[5]]
+        load = functools.partial(self.weights.load, inputs=flat) if shared else load_forward
+        return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load)
+
+    def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
+        """Compile the forward `exported` again with `rival_attempts` beside the package at `package_path` and leave
+        there whichever runs faster on `inputs` (the forward's own: they write the same keys and values at the same
+        columns as the forward will). A rival that does not compile leaves the package as it is, with a warning."""
+        rival = Path(package_path).with_name(f"{Path(package_path).stem}.rival.pt2")
+        try:
+            try:
+                compile_package(exported, shape, self.rival_attempts, str(rival))
+            except Exception as error:
+                logger.warning(f"Compiling the forward of {shape} with oneDNN's products alone failed "
+                               f"({type(error).__name__}: {str(error)[:300]}); keeping it as configured.")  # fmt: skip
+                return
+            flat = [*inputs[:4], *inputs[4], *inputs[5]]
+            configured, alone = race_packages([package_path, str(rival)], flat)
+            kept = "oneDNN's" if alone < configured else "as configured"
+            logger.info(f"The forward of {shape}: {1e3 * configured:.2f} ms as configured, {1e3 * alone:.2f} ms with "
+                        f"oneDNN's products alone; keeping the package {kept}.")  # fmt: skip
+            if alone < configured:
+                os.replace(rival, package_path)
+        finally:
+            rival.unlink(missing_ok=True)
+
+
+def compile_package(exported, shape: tuple, attempts: list[dict], package_path: str) -> None:
+    """Compile the forward of `shape` `exported` into an AOTInductor package at `package_path` with the first of the
+    inductor configs `attempts` that compiles it (the earlier ones: inductor's C++ GEMM template alone)."""
+    for attempt, configs in enumerate(attempts, 1):
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=package_path, inductor_configs=configs)
+            return
+        except Exception as error:
+            if attempt == len(attempts):
+                raise
+            logger.warning(f"Compiling the forward of {shape} with inductor's C++ GEMM template alone failed "
+                           f"({type(error).__name__}: {str(error)[:300]}); compiling it with the compile config's "
+                           "GEMM backends.")  # fmt: skip
+
+
+def race_packages(paths: list[str], inputs: list[torch.Tensor], rounds: int = PACKAGE_RACE_ROUNDS) -> list[float]:
+    """Seconds the fastest run of each saved forward's package at `paths` took on the flat `inputs` (CPU), the packages
+    run in turn `rounds` times (so that a busy moment of the machine falls on each alike), the first round untimed."""
+    runners = [load_forward(Path(path)) for path in paths]
+    seconds = [[] for _ in paths]
+    for _ in range(rounds):
+        for runner, times in zip(runners, seconds):
+            start = time.perf_counter()
+            runner.boxed_run(list(inputs))
+            times.append(time.perf_counter() - start)
+    return [min(times[1:]) for times in seconds]
+
+
+class SavedStep:
+    """A step function compiled ahead of time (`torch.export` with dynamic sizes, then AOTInductor), kept in `folder`
+    beside the saved forwards, and called through its package's boxed run. On a CPU the decoder's step functions run
+    right after a forward, whose weights have flushed the caches: there a `torch.compile` call pays for the Python
+    layers of dynamo and AOTAutograd, cold, whatever it computes, and a package's boxed run for little but the
+    computing.
+
+    `dims` gives, for each argument, the axes whose size varies (named; axes of one name have one size), `{}` for a
+    tensor whose sizes are fixed and None for an argument that is not a tensor. The other arguments and the fixed
+    sizes and dtypes are constants of a package: each set of them has a package of its own (`key`). A call with a
+    tensor of size 0 runs the function itself."""
+
+    def __init__(self, function: Callable, folder: Path, dims: tuple[dict[int, str] | None, ...]):
+        self.function, self.folder, self.dims, self.runners, self.by_shapes = function, folder, dims, {}, {}
+        self.tensors = [index for index, axes in enumerate(dims) if axes is not None]
+        self.axes = [dims[index] for index in self.tensors]
+
+    def __call__(self, *arguments):
+        if len(arguments) != len(self.dims):
+            raise TypeError(f"{self.function.__name__} takes {len(self.dims)} arguments here, not {len(arguments)}.")
+        tensors = [arguments[index].contiguous() for index in self.tensors]
+        if any(0 in tensor.shape for tensor in tensors):  # (a package serves sizes from 1 up)
+            return self.function(*arguments)
+        constants = tuple(argument for argument, axes in zip(arguments, self.dims) if axes is None)
+        # (the runner by the exact shapes first: the signature's per-axis loop would run for every tensor of a call)
+        shapes = (constants, *((tensor.dtype, tensor.device, tensor.shape) for tensor in tensors))
+        runner = self.by_shapes.get(shapes)
+        if runner is None:
+            signature = tuple(
+                (tensor.dtype, tensor.device, *(-1 if axis in axes else size for axis, size in enumerate(tensor.shape)))
+                for tensor, axes in zip(tensors, self.axes)
+            )
+            runner = self.runners.get((signature, constants))
+            if runner is None:
+                runner = self.runners[signature, constants] = self.load_or_compile(arguments, signature, constants)
+            if len(self.by_shapes) >= SHAPES_REMEMBERED:
+                self.by_shapes.clear()
+            self.by_shapes[shapes] = runner
+        return tuple(runner.boxed_run(tensors))
+
+    def key(self, signature: tuple, constants: tuple) -> str:
+        """What a package depends on: the function, its constants and fixed sizes, this file's source, the versions
+        of torch and transformers and the processor."""
+        return " | ".join([
+            self.function.__name__, repr(signature), repr(constants), repr(self.dims), source_digest(),
+            f"torch {torch.__version__}, transformers {transformers_version}, {cpu_name()}",
+        ])  # fmt: skip
+
+    def load_or_compile(self, arguments: tuple, signature: tuple, constants: tuple):
+        def build(package_path: str):
+            # Traced on zeros in which every varying size is at least 2 (a size of 1 would be taken as fixed); the
+            # package serves sizes from 1 up.
+            named = {}
+            for argument, axes in zip(arguments, self.dims):
+                for axis, name in (axes or {}).items():
+                    named[name] = max(named.get(name, 2), argument.shape[axis])
+            dimensions = {name: torch.export.Dim(name.replace(" ", "_"), min=1) for name in named}
+            examples, shapes = [], []
+            for index in self.tensors:
+                tensor, axes = arguments[index], self.dims[index]
+                size = [named[axes[axis]] if axis in axes else length for axis, length in enumerate(tensor.shape)]
+                examples.append(torch.zeros(size, dtype=tensor.dtype, device=tensor.device))
+                shapes.append({axis: dimensions[name] for axis, name in axes.items()} or None)
+            module = StepModule(self.function, arguments, self.tensors)
+            exported = torch.export.export(module, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
+            configs = cpu_kernel_configs(examples[0].device, {})
+            torch._inductor.aoti_compile_and_package(exported, package_path=package_path, inductor_configs=configs)
+
+        key = self.key(signature, constants)
+        path = self.folder / f"step-{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
+        return load_or_build_package(path, key, build, "step")
+
+
+def load_package(path: Path, arguments: Callable[[list], tuple] = tuple):
+    """The runner of the AOTInductor package at `path`: its `boxed_run` takes the flat inputs and gives the flat
+    outputs (`PackageRunner.of`; `arguments` makes the flat inputs the package's arguments where that needs them)."""
+    return PackageRunner.of(torch._inductor.aoti_load_package(str(path)), arguments)
+
+
+class PackageRunner:
+    """The one place that runs saved AOTInductor packages through a private hook, and the fallback where it is gone.
+
+    `torch._inductor.aoti_load_package(path)` gives an `AOTICompiledModel`, whose public call takes the arguments
+    the package was exported with and on every call reads the package's input and output specs (JSON) and flattens
+    and unflattens by them. Its `loader` (a `torch._C._aoti.AOTIModelPackageLoader`) has `boxed_run(flat)`, private:
+    the package run on its flat input tensors with nothing else done, which the decode's many small calls take. `of`
+    decides once, at load: where the loader has a `boxed_run` it is the runner itself (calls cost what they did);
+    where not (renamed or gone in another torch), the runner is this adapter, whose `boxed_run` makes the flat inputs
+    the package's arguments (`arguments`: a step's tensors as they are, a forward's `forward_arguments`), makes the
+    public call and flattens its outputs: decoding as before, slower, with one warning a process."""
+
+    warned = False  # whether this process has warned that packages run through their public call
+
+    def __init__(self, compiled, arguments: Callable[[list], tuple]):
+        self.compiled, self.arguments = compiled, arguments
+
+    @classmethod
+    def of(cls, compiled, arguments: Callable[[list], tuple] = tuple):
+        """The runner of the loaded package `compiled`: its loader where it has `boxed_run`, else an adapter."""
+        loader = getattr(compiled, "loader", None)
+        if callable(getattr(loader, "boxed_run", None)):
+            return loader
+        if not cls.warned:
+            cls.warned = True
+            logger.warning(f"This torch ({torch.__version__}) loads AOTInductor packages without the loader's "
+                           "`boxed_run`; saved forwards and steps run through the packages' public call instead, "
+                           "which costs more a call.")  # fmt: skip
+        return cls(compiled, arguments)
+
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return flat_tensors(self.compiled(*self.arguments(inputs)))
+
+
+def flat_tensors(outputs) -> list:
+    """`outputs` (a tensor, or tuples and lists of them, nested) as a flat list in order."""
+    if isinstance(outputs, (tuple, list)):
+        return [leaf for output in outputs for leaf in flat_tensors(output)]
+    return [outputs]
+
+
+def forward_arguments(inputs: list[torch.Tensor]) -> tuple:
+    """A saved forward's flat inputs (the ids, positions, mask and write columns, every layer's keys, then every
+    layer's values) as `ExportedBackbone.forward` takes them: the keys and the values each a list."""
+    layers = (len(inputs) - 4) // 2
+    return (*inputs[:4], list(inputs[4 : 4 + layers]), list(inputs[4 + layers :]))
+
+
+def load_forward(path: Path):
+    """The runner of the saved forward's package at `path` (`load_package`, its arguments `forward_arguments`)."""
+    return load_package(path, forward_arguments)
+
+
+def load_or_build_package(path: Path, key: str, build: Callable[[str], None], what: str, load: Callable = load_package):
+    """The runner of the AOTInductor package kept at `path` for `key`, loaded by `load`. Before it loads, a package
+    is checked against the digest kept beside it (`package_problem`): loaded unchecked, one with damaged bytes decoded
+    wrong tokens without a word or crashed the process inside torch, and another key's package under its name failed
+    inside its C++ runner. Where there is no package, or it fails the check or does not load (built elsewhere; these
+    two with a warning naming the saved `what`), `build(package_path)` compiles it into a partial file that is then
+    renamed to `path`, and its digest is written beside it (`write_package_digest`): a package is seen whole or not at
+    all, so processes may share a folder. A build killed on the way leaves the folder as it was but for a partial
+    file that nothing loads, removed once `PARTIAL_STALE` old (`remove_stale_partials`: on a process's first package
+    in the folder, and before each build). It is built without autograd whatever the caller's grad mode: exported with
+    grad enabled, the weights stay the graph's parameters and inductor's freezing leaves them out (a slower package,
+    then kept under the same key for every later process)."""
+    if path.parent not in SWEPT_FOLDERS:
+        SWEPT_FOLDERS.add(path.parent)
+        remove_stale_partials(path.parent)
+    if path.exists():
+        problem = package_problem(path, key)
+        if problem is not None:
+            logger.warning(f"The saved {what} {path} {problem}; compiling it again.")
+        else:
+            try:
+                return load(path)
+            except Exception as error:  # any failure to load means: compile it again
+                logger.warning(f"The saved {what} {path} did not load ({type(error).__name__}: {error}); compiling "
+                               "it again.")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path.parent)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        with torch.no_grad():
+            build(str(partial))
+        digest = file_digest(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    write_package_digest(path, key, digest)
+    return load(path)
+
+
+SWEPT_FOLDERS: set[Path] = set()  # the folders of packages whose stale partial files this process has removed
+# the partial files of a package, of the rival compiled beside it (`SavedForwards.keep_faster`) and of a digest
+PARTIAL_NAME = re.compile(r".+\.\d+\.partial(\.rival)?\.pt2|.+\.pt2\.digest\.\d+\.partial")
+
+
+def remove_stale_partials(folder: Path) -> None:
+    """Remove the partial files of packages and digests in `folder` (`PARTIAL_NAME`) at least `PARTIAL_STALE` old:
+    left by builds that were killed. Younger ones may be a live build's, in this process or another."""
+    try:
+        names = os.listdir(folder)
+    except OSError:  # (no folder yet)
+        return
+    now = time.time()
+    for name in filter(PARTIAL_NAME.fullmatch, names):
+        try:
+            if now - (folder / name).stat().st_mtime >= PARTIAL_STALE:
+                (folder / name).unlink()
+        except OSError:  # (removed meanwhile by another process)
+            continue
+
+
+def digest_path(path: Path) -> Path:
+    """Where the digest of the package at `path` is kept: beside it, as `<name>.digest`."""
+    return path.with_name(f"{path.name}.digest")
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of the bytes of the file at `path` (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def package_problem(path: Path, key: str) -> str | None:
+    """What is wrong with the package at `path` as the one built for `key`, or None where nothing is: the digest kept
+    beside it (`digest_path`, JSON: the key and the sha256 of its bytes) is missing or unreadable, names another key
+    (another package put under this name: files swapped or copied), or another sha256 than the file's (damaged since).
+    Checked once, as the package loads (a loaded runner is kept), by hashing the whole file. The digest is read after
+    the file, so that a package another process has just built again here is judged with its own."""
+    record_path = digest_path(path)
+    try:
+        digest = file_digest(path)
+    except OSError as error:
+        return f"could not be read ({error})"
+    try:
+        record = json.loads(record_path.read_text())
+    except FileNotFoundError:
+        return f"has no digest beside it ({record_path.name})"
+    except (OSError, ValueError) as error:
+        return f"has an unreadable digest {record_path.name} ({type(error).__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        return f"has an unreadable digest {record_path.name} (no key)"
+    if record["key"] != key:
+        return f"was built for another key than its name's (per {record_path.name}: another package put in its place)"
+    if record.get("sha256") != digest:
+        return f"does not match its digest {record_path.name} (its bytes changed since it was written)"
+    return None
+
+
+def write_package_digest(path: Path, key: str, digest: str) -> None:
+    """Keep beside the package at `path` (`digest_path`) the `key` it was built for and the sha256 of its bytes
+    (`digest`), written whole (a partial file, then renamed). Where it cannot be, a warning: the next process to load
+    the package compiles it again."""
+    record = digest_path(path)
+    partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps({"key": key, "sha256": digest}))
+        os.replace(partial, record)
+    except OSError as error:
+        logger.warning(f"The digest of the saved package {path} could not be written to {record} ({error}); the "
+                       "next process will compile the package again.")  # fmt: skip
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+class SharedWeights:
+    """One copy in memory of the weights of AOTInductor packages compiled with their weights outside their code
+    (`WEIGHTS_APART`: a `.blob` of every constant, laid out as the package's C++ wrapper lists them). `load` runs a
+    package from the copies of constants that earlier packages loaded where they are the same byte for byte (by name,
+    dtype, shape and strides), and keeps its others for later ones. Packages of one frozen model that differ in the
+    width of their forwards hold the same folded weights (inductor's C++ GEMM template packs them alike whatever the
+    row count): they then run from one copy. The first package loaded so runs once on a forward's inputs both ways,
+    from the constants read here and with its own loader's, and must give the same outputs bit for bit (the reading
+    rests on AOTInductor's layout of the blob, which no API states); where it does not, it and every later package
+    load with weights of their own, with a warning, as does a package whose constants cannot be read so."""
+
+    dtypes = {
+        "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+        "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+        "bool": torch.bool,
+    }  # fmt: skip
+
+    def __init__(self):
+        self.kept = {}  # (name, dtype, shape, strides) -> (the constant's bytes, the constant)
+        self.checked = False  # whether a package ran from constants read here as from its loader's own
+        self.refused = False  # whether one ran otherwise: then none shares
+
+    def load(self, path: Path, inputs: list[torch.Tensor]):
+        """The runner of the package at `path` (its `boxed_run` takes the flat inputs), over shared constants;
+        `inputs` are a forward's own flat inputs (they write what it will write), for the first package's check."""
+        if self.refused:
+            return load_forward(path)
+        try:  # (a package that does not load at all fails again below, and is compiled again)
+            with tempfile.TemporaryDirectory() as folder:
+                with zipfile.ZipFile(path) as archive:
+                    archive.extractall(folder)
+                (code,), (blob,), (wrapper,) = (list(Path(folder).rglob(f"*.{end}")) for end in
+                                                ("wrapper.so", "wrapper_weights.blob", "wrapper.cpp"))  # fmt: skip
+                runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(code), 1)  # (loaded: the files may go)
+                data = torch.empty(blob.stat().st_size, dtype=torch.uint8)
+                with blob.open("rb") as file:
+                    if file.readinto(data.numpy()) != data.numel():
+                        raise ValueError(f"{blob.name} was read short")
+                constants = package_constants(wrapper.read_text(), data)
+            if set(constants) != set(runner.get_constant_names_to_dtypes()):
+                raise ValueError("the constants listed by the wrapper are not the package's")
+            shared = {}
+            for name, (raw, tensor) in constants.items():
+                key = (name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+                kept = self.kept.get(key)
+                if kept is None or not torch.equal(kept[0], raw):
+                    kept = self.kept[key] = (raw, tensor)
+                shared[name] = kept[1]
+            runner.update_constant_buffer(shared, False, True, True)  # active buffer, every constant, user-managed
+            if not self.checked:
+                self.check(runner, path, inputs)
+        except Exception as error:
+            logger.warning(f"The saved forward {path} does not run from weights shared with other widths' "
+                           f"({type(error).__name__}: {str(error)[:300]}); it loads with its own.")  # fmt: skip
+            return load_forward(path)
+        return SharedWeightsRunner(runner, shared)
+
+    def check(self, runner, path: Path, inputs: list[torch.Tensor]) -> None:
+        """Run `runner` (the package at `path` over constants read here) and the package with its own loader's on
+        `inputs`; where their outputs differ, share no weights from now on (a ValueError)."""
+        own = load_forward(path).boxed_run(list(inputs))
+        if not all(torch.equal(mine, theirs) for mine, theirs in zip(runner.run(list(inputs)), own)):
+            self.refused, self.kept = True, {}
+            raise ValueError("its outputs from the weights as read here differ from its own loader's; no package will "
+                             "share weights")  # fmt: skip
+        self.checked = True
+
+
+class SharedWeightsRunner:
+    """An AOTInductor package's runner over constants it does not own (`SharedWeights`): holds them while it runs."""
+
+    def __init__(self, runner, constants: dict[str, torch.Tensor]):
+        self.runner, self.constants = runner, constants
+
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.runner.run(inputs)
+
+
+def package_constants(wrapper: str, blob: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The constants of an AOTInductor package kept apart from its code (`WEIGHTS_APART`), by name: each its bytes in
+    `blob` (the package's weights file, read as bytes) and the tensor over them, as `wrapper` (the package's C++
+    wrapper source, whose `constants_info_` lists each constant's dtype, byte size, shape, strides and offset, in the
+    blob's order, each padded to 64 bytes) describes them. A ValueError where they do not fill the blob."""
+    fields = {}
+    for index, name, value in re.findall(r"constants_info_\[(\d+)\]\.(\w+) = (.*);", wrapper):
+        fields.setdefault(int(index), {})[name] = value.strip('"')
+    constants, start = {}, 0
+    for index in sorted(fields):
+        info = fields[index]
+        if info["from_folded"] != "false" or info["device_type"] != "cached_torch_device_type_cpu":
+            raise ValueError(f"constant {info['name']} is not a CPU weight of the blob")
+        size = int(info["data_size"])
+        raw = blob[start : start + size]
+        if raw.numel() != size:
+            raise ValueError(f"the weights file ends before constant {info['name']}")
+        dtype = SharedWeights.dtypes[info["dtype"].removeprefix("cached_torch_dtype_")]
+        shape, strides = ([int(value) for value in re.findall(r"-?\d+", info[what])] for what in ("shape", "stride"))
+        typed = raw.view(dtype)
+        constants[info["name"]] = raw, typed.as_strided(shape, strides, typed.storage_offset() + int(info["offset"]))
+        start += -(-size // 64) * 64
+    if not constants or start < blob.numel():
+        raise ValueError(f"the wrapper lists {start} bytes of constants for a weights file of {blob.numel()}")
+    return constants
+
+
+class StepModule(torch.nn.Module):
+    """A step function as `torch.export` takes it: its tensor arguments (at `tensors`) are the inputs, the others
+    the `arguments` given here."""
+
+    def __init__(self, function: Callable, arguments: tuple, tensors: list[int]):
+        super().__init__()
+        self.function, self.tensors = function, tensors
+        self.arguments = [None if index in tensors else argument for index, argument in enumerate(arguments)]
+
+    def forward(self, *tensors):
+        arguments = list(self.arguments)
+        for index, tensor in zip(self.tensors, tensors):
+            arguments[index] = tensor
+        return self.function(*arguments)
+
+
+class ExportedBackbone(torch.nn.Module):
+    """The backbone as `torch.export` takes it: the cache's key/value tensors and write columns are inputs (written in
+    place), so a package serves any cache of the same shape; attention is over its first `window` columns. Returns the
+    last hidden states, or with a `head` (the output layer) the logits."""
+
+    def __init__(self, decoder, cache: "SlotCache", window: int, head=None):
+        super().__init__()
+        self.decoder, self.cache, self.window, self.head = decoder, cache, window, head
+
+    def forward(self, input_ids, position_ids, attention_mask, columns, keys, values):
+        cache = copy.copy(self.cache)  # the same cache over the inputs' tensors
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
+            layer.keys, layer.values = layer_keys, layer_values
+        cache.columns, cache.window = columns, self.window
+        output = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
+        )
+        return output.last_hidden_state if self.head is None else self.head(output.last_hidden_state)
+
+
+def template_first(configs: dict) -> list[dict]:
+    """Inductor `configs` as attempts in turn: with inductor's C++ GEMM template as the only backend first, then as
+    given where that differs (for products the template has no kernel for)."""
+    template = {**configs, "max_autotune_gemm_backends": "CPP"}
+    return [template] if template == configs else [template, configs]
+
+
+def amx_bfloat16(device) -> bool:
+    """Whether `device` is a CPU with AMX's bfloat16 tiles (Intel Sapphire Rapids and later)."""
+    return torch.device(device).type == "cpu" and bool(torch.cpu.get_capabilities().get("amx_bf16"))
+
+
+def onednn_bfloat16() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def saved_forward_key(model, compile_config: CompileConfig) -> str:
+    """What a saved forward depends on besides its input shape, as one string (see `SavedForwards`)."""
+    weights = hashlib.blake2b(digest_size=16)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        weights.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        data = tensor.detach().contiguous().cpu()
+        weights.update(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
+    return " | ".join([
+        type(model).__name__,
+        hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
+        weights.hexdigest(),
+        f"{device_name(model)} {model.dtype}, attention {attention_fingerprint(model)}",
+        json.dumps(compile_config.to_dict(), sort_keys=True, default=str),
+        source_digest(),
+        f"torch {torch.__version__}, transformers {transformers_version}",
+    ])  # fmt: skip
