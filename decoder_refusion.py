@@ -265,14 +265,70 @@ class InOrderWatcher:
 
 # ---- one row: a state machine the executor steps -------------------------------------------------------------------
 @dataclass
+class PlanForward:
+    """A plan forward: the answer indices it drafts (every token of the masked slots, or only their first)."""
+
+    index: torch.Tensor | None = None
+
+
+@dataclass
+class VerifyForward:
+    """A verify forward: the drafts copied after each chosen slot's first token (`lookup_drafts`, from the plan),
+    the slots' answer indices `[slots, slot_size]`, their tokens (the drafts checked; once scored, the tokens each slot
+    goes on with) and how many leading tokens of each slot the forward holds (`width`)."""
+
+    found: list[int] | None = None
+    index: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    width: int = 0
+
+
+@dataclass
+class InfillRound:
+    """A fast-rule infill round, as `SlotDecoder._infill_layout` lays it out: flat positions in `[slots, slot_size]`
+    of the `fresh` accepted tokens not yet stored, the drafts `queried` and the positions `checked` (host lists); on
+    the device, the slots' answer indices, their stored and accepted counts and checked ends (`until`), the queries'
+    fields but their ids and where in the slots' tokens each query's id is (`at`). Then the sizes of the query spans
+    (fresh, `[MASK]` queries where fused, drafts), the fresh queries that stay stored, and once scored the tokens each
+    slot goes on with."""
+
+    fresh: list[int]
+    checked: list[int]
+    queried: list[int]
+    index: torch.Tensor
+    stored: torch.Tensor
+    counts: torch.Tensor
+    until: torch.Tensor
+    fields: torch.Tensor
+    at: torch.Tensor
+    sizes: list[int] = field(default_factory=list)
+    fresh_queries: Queries | None = None
+    tokens: torch.Tensor | None = None
+
+
+@dataclass
+class ReferenceRound:
+    """A round of the authors' infill rule (a redraft forward, then a recheck): the slots' answer indices, their
+    accepted counts, the flat positions of the slots still open (`live`) and of the tokens redrafted (`drafting`), the
+    forward row of each position, and once redrafted the slots' tokens."""
+
+    index: torch.Tensor
+    counts: torch.Tensor
+    live: torch.Tensor
+    row_of: torch.Tensor
+    drafting: torch.Tensor
+    tokens: torch.Tensor | None = None
+
+
+@dataclass
 class Phase:
-    """Where a row's decode stands between two forwards: which forward it asks for next (`kind`) and the values that
-    forward's logits are read against."""
+    """Where a row's decode stands between two forwards: which forward it asks for next (`kind`) and what that
+    forward's logits are read against (`forward`, a record of the kind's own, filled as its queries are built)."""
 
     kind: int
     slots: list[int] = field(default_factory=list)  # PLAN: the masked slots; VERIFY: the chosen ones
     state: Infilling | None = None  # INFILL, REDRAFT, RECHECK: the slots being completed
-    read: dict = field(default_factory=dict)  # what building the queries, then scoring the logits, left for later
+    forward: PlanForward | VerifyForward | InfillRound | ReferenceRound | None = None
 
 
 class SlotDecoder:
@@ -423,13 +479,13 @@ class SlotDecoder:
         if self.settings.lookup_drafts or self.prices is not None and not self._drafts_pay(len(phase.slots)):
             index = index[:, :1]
         index = index.flatten()
-        phase.read["index"] = index
+        phase.forward = PlanForward(index)
         return self._causal(torch.full_like(index, self.settings.mask_token_id), index)
 
     def _score_plan(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Keep the drafts; choose the slots to decode by their first draft's confidence (and, for one-token slots,
         which drafts are EOS)."""
-        index, settings = phase.read["index"], self.settings
+        index, settings = phase.forward.index, self.settings
         if self._scored_whole(phase):
             slots = self._slot_index(phase.slots)
             values, self.drafts[slots] = self.steps.score_plan(
@@ -455,7 +511,7 @@ class SlotDecoder:
         chosen = [slot for slot, keep in zip(phase.slots, values[:slots]) if keep]
         if self.settings.slot_size > 1:
             found = [count for count, keep in zip(values[slots:], values[:slots]) if keep]
-            return Phase(self.VERIFY, slots=chosen, read=dict(found=found) if found else {})
+            return Phase(self.VERIFY, slots=chosen, forward=VerifyForward(found=found or None))
         # one-token slots: nothing to check, a slot's only token always passes; the run ends at the first EOS
         eos = [0 if is_eos else 1 for is_eos, keep in zip(values[slots:], values[:slots]) if keep]
         leading = leading_complete([1] * len(chosen), eos, 1)
@@ -468,18 +524,19 @@ class SlotDecoder:
         """The chosen drafts as one causal run: each slot's leading `_verify_width` tokens."""
         index = self._slot_index(phase.slots)
         tokens = self.drafts[index]
-        width = self._verify_width(len(phase.slots), phase.read.get("found"))
-        phase.read.update(index=index, tokens=tokens, width=width)
+        forward = phase.forward
+        forward.index, forward.tokens = index, tokens
+        forward.width = width = self._verify_width(len(phase.slots), forward.found)
         return self._causal(tokens[:, :width].flatten(), index[:, :width].flatten())
 
     def _score_verify(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts: each slot's accepted length and EOS offset and, for the fast rule, the tokens and counts
         it goes on with (the model's own token at the first rejected draft, redrafts after it) and their EOS."""
-        read, size, settings = phase.read, self.settings.slot_size, self.settings
-        index, tokens, width, slots = read["index"], read["tokens"], read["width"], len(phase.slots)
+        forward, size, settings = phase.forward, self.settings.slot_size, self.settings
+        index, tokens, width, slots = forward.index, forward.tokens, forward.width, len(phase.slots)
         fast = settings.infill_mode != "reference"
         if self._scored_whole(phase):
-            values, read["tokens"], marks = self.steps.score_verify(
+            values, forward.tokens, marks = self.steps.score_verify(
                 self._processed(logits).view(slots, width, -1), tokens, self.eos, settings.mask_token_id,
                 self.token_threshold, self.keep_drafts, self.text, index + self.prompt.shape[0], settings.lookup_drafts,
             )  # fmt: skip
@@ -490,7 +547,7 @@ class SlotDecoder:
         at = (torch.arange(slots, device=self.device)[:, None] * size + self.offsets[1:until]).flatten()
         rows = (torch.arange(slots, device=self.device)[:, None] * width + self.offsets[: until - 1]).flatten()
         ar_tokens, ar_probability = self._ar_check(logits, rows, tokens, index, at)
-        values, read["tokens"], marks = judge_verify(
+        values, forward.tokens, marks = judge_verify(
             tokens,
             scored,
             ar_probability,
@@ -501,26 +558,26 @@ class SlotDecoder:
         )
         self.profile.record(AcceptanceProfile.PLAN, marks)
         if fast and settings.lookup_drafts:
-            read["tokens"], found = self._look_up(index, read["tokens"], values[2])
+            forward.tokens, found = self._look_up(index, forward.tokens, values[2])
             values.append(found)
         return torch.cat([*values, check_counts(marks)])
 
     def _verified(self, phase: Phase, values: list[int]) -> Phase:
         """Commit the leading complete slots with this forward's K/V; infill the other chosen slots."""
-        chosen, read, size = phase.slots, phase.read, self.settings.slot_size
+        chosen, forward, size = phase.slots, phase.forward, self.settings.slot_size
         slots = len(chosen)
         accepted, eos = values[:slots], values[slots : 2 * slots]
-        leading = leading_complete(accepted, eos, size) if read["width"] == size else 0  # else not all computed
-        self._commit_run(chosen[:leading], read["tokens"][:leading], eos[:leading], computed=True)
+        leading = leading_complete(accepted, eos, size) if forward.width == size else 0  # else not all computed
+        self._commit_run(chosen[:leading], forward.tokens[:leading], eos[:leading], computed=True)
         groups = self._new_groups(slots - leading)
         if self.settings.infill_mode == "reference":
             if leading:  # the other chosen slots return to [MASK] and are planned again
                 return self._step_done()
-            state = Infilling(chosen, read["tokens"], accepted, [0] * slots, groups, len(self.record))
+            state = Infilling(chosen, forward.tokens, accepted, [0] * slots, groups, len(self.record))
             return self._infilling(state, eos)
         counts, eos = values[2 * slots + leading : 3 * slots], values[3 * slots + leading : 4 * slots]
         found = values[4 * slots + leading :] if self.settings.lookup_drafts else None
-        state = Infilling(chosen[leading:], read["tokens"][leading:], counts, [0] * len(counts), groups,
+        state = Infilling(chosen[leading:], forward.tokens[leading:], counts, [0] * len(counts), groups,
                           len(self.record), found)  # fmt: skip
         return self._infilling(self._settle(state, eos))
 
@@ -538,14 +595,13 @@ class SlotDecoder:
             # (with no drafts there is nothing to redraft; copied drafts are found again after each round)
             spans.append(("checked", self._new_groups(len(state.slots)), state.groups))
         spans.append(("queried", state.groups, None))
-        layout = self._infill_layout(state, windows, spans)
-        fields, at = layout["fields"], layout["at"]
-        ids = state.tokens.flatten()[at]
-        sizes = [len(layout[name]) for name, _, _ in spans]
+        phase.forward = layout = self._infill_layout(state, windows, spans)
+        ids = state.tokens.flatten()[layout.at]
+        sizes = [len(getattr(layout, name)) for name, _, _ in spans]
         if len(spans) == 3:
             ids[sizes[0] : sizes[0] + sizes[1]] = self.settings.mask_token_id
-        queries = Queries(torch.cat([ids[None], fields]))
-        phase.read.update(layout, sizes=sizes, fresh_queries=Queries(queries.fields[:, : sizes[0]]))
+        queries = Queries(torch.cat([ids[None], layout.fields]))
+        layout.sizes, layout.fresh_queries = sizes, Queries(queries.fields[:, : sizes[0]])
         return queries
 
     def _scored_whole(self, phase: Phase) -> bool:
@@ -558,51 +614,51 @@ class SlotDecoder:
             return self.settings.slot_size > 1
         if phase.kind == self.VERIFY:
             return self.settings.infill_mode != "reference"
-        return phase.kind == self.INFILL and len(phase.read["sizes"]) == 2
+        return phase.kind == self.INFILL and len(phase.forward.sizes) == 2
 
     def _score_infill(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
-        state, read = phase.state, phase.read
+        state, layout = phase.state, phase.forward
         if self._scored_whole(phase):
             settings = self.settings
-            values, read["tokens"], marks = self.steps.score_infill(
-                self._processed(logits), state.tokens, read["stored"], read["counts"], read["until"], self.eos,
-                settings.mask_token_id, self.token_threshold, self.text, read["index"] + self.prompt.shape[0],
+            values, layout.tokens, marks = self.steps.score_infill(
+                self._processed(logits), state.tokens, layout.stored, layout.counts, layout.until, self.eos,
+                settings.mask_token_id, self.token_threshold, self.text, layout.index + self.prompt.shape[0],
                 settings.lookup_drafts,
             )  # fmt: skip
             self.profile.record(AcceptanceProfile.REDRAFT, marks)  # (`values` end with its counts)
             return values
-        index = read["index"]
-        at = [read[name] for name in ("fresh", "queried", "checked")]
+        index = layout.index
+        at = [layout.fresh, layout.queried, layout.checked]
         fresh, queried, checked = upload(sum(at, []), self.device).split(list(map(len, at)))
-        num_fresh, num_queried = read["sizes"][0], read["sizes"][-1]
+        num_fresh, num_queried = layout.sizes[0], layout.sizes[-1]
         row_of = torch.zeros_like(index)
         row_of.view(-1)[fresh] = torch.arange(num_fresh, device=self.device)
         row_of.view(-1)[queried] = len(logits) - num_queried + torch.arange(num_queried, device=self.device)
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)  # position i is scored by position i - 1
         ar_tokens, ar_probability = self._ar_check(logits, source.flatten()[checked], state.tokens, index, checked)
         redrafts = None  # the model's own tokens
-        if len(read["sizes"]) == 3:  # fused: the [MASK] queries' drafts
+        if len(layout.sizes) == 3:  # fused: the [MASK] queries' drafts
             mask_rows = torch.arange(num_fresh, len(logits) - num_queried, device=self.device)
             redrafts = state.tokens.clone()
             redrafts.view(-1)[checked] = self._pick(logits, mask_rows, index.flatten()[checked], state.tokens,
                                                     checked)[0]  # fmt: skip
-        _, _, checked_mask = infill_masks(read["stored"], read["counts"], read["until"], self.settings.slot_size)
-        read["tokens"], counts, eos, marks = self.steps.judge_infill(
-            state.tokens, read["counts"], read["until"], checked_mask, ar_probability, ar_tokens, redrafts, self.eos,
+        _, _, checked_mask = infill_masks(layout.stored, layout.counts, layout.until, self.settings.slot_size)
+        layout.tokens, counts, eos, marks = self.steps.judge_infill(
+            state.tokens, layout.counts, layout.until, checked_mask, ar_probability, ar_tokens, redrafts, self.eos,
             self.settings.token_threshold,
         )  # fmt: skip
         self.profile.record(AcceptanceProfile.REDRAFT, marks)
         values = [counts, eos]
         if self.settings.lookup_drafts:
-            read["tokens"], found = self._look_up(index, read["tokens"], counts)
+            layout.tokens, found = self._look_up(index, layout.tokens, counts)
             values.append(found)
         return torch.cat([*values, check_counts(marks)])
 
     def _infilled(self, phase: Phase, values: list[int]) -> Phase:
         state, slots = phase.state, len(phase.state.slots)
-        self.record.keep(phase.read["fresh_queries"])
-        state.stored, state.tokens, state.counts = state.counts, phase.read["tokens"], values[:slots]
+        self.record.keep(phase.forward.fresh_queries)
+        state.stored, state.tokens, state.counts = state.counts, phase.forward.tokens, values[:slots]
         if self.settings.lookup_drafts:
             state.found = values[2 * slots :]
         return self._infilling(self._settle(state, values[slots : 2 * slots]))
@@ -623,31 +679,31 @@ class SlotDecoder:
         drafting_mask = self.offsets >= counts[:, None]
         drafting = positions(drafting_mask, sum(size - count for count in state.counts))
         masked = torch.where(drafting_mask, self.settings.mask_token_id, state.tokens)
-        phase.read.update(index=index, counts=counts, live=live, row_of=row_of, drafting=drafting)
+        phase.forward = ReferenceRound(index, counts, live, row_of, drafting)
         return self._grouped(state, index, live, masked, upload(self._new_groups(len(state.slots)), self.device))
 
     def _score_redraft(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
-        state, read = phase.state, phase.read
-        drafting, index = read["drafting"], read["index"]
+        state, reference = phase.state, phase.forward
+        drafting, index = reference.drafting, reference.index
         tokens = state.tokens.clone()
-        picked = self._pick(logits, read["row_of"].flatten()[drafting], index.flatten()[drafting], state.tokens,
+        picked = self._pick(logits, reference.row_of.flatten()[drafting], index.flatten()[drafting], state.tokens,
                             drafting)[0]  # fmt: skip
         tokens.view(-1)[drafting] = picked
-        read["tokens"] = tokens
+        reference.tokens = tokens
         return tokens.new_zeros(0)  # nothing for the host: the check comes next
 
     def _redrafted(self, phase: Phase, values: list[int]) -> Phase:
-        return Phase(self.RECHECK, state=phase.state, read=phase.read)
+        return Phase(self.RECHECK, state=phase.state, forward=phase.forward)
 
     def _recheck_queries(self, phase: Phase) -> Queries:
-        state, read = phase.state, phase.read
+        state, reference = phase.state, phase.forward
         groups = upload(self._new_groups(len(state.slots)), self.device)
-        return self._grouped(state, read["index"], read["live"], read["tokens"], groups)
+        return self._grouped(state, reference.index, reference.live, reference.tokens, groups)
 
     def _score_recheck(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Accept by the authors' rule: each slot's new count and EOS offset."""
-        state, read, size = phase.state, phase.read, self.settings.slot_size
-        index, tokens, counts, row_of = read["index"], read["tokens"], read["counts"], read["row_of"]
+        state, reference, size = phase.state, phase.forward, self.settings.slot_size
+        index, tokens, counts, row_of = reference.index, reference.tokens, reference.counts, reference.row_of
         scored_mask = self.offsets > counts[:, None]  # by the checked position before it
         scored = positions(scored_mask, sum(max(size - count - 1, 0) for count in state.counts))
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
@@ -659,7 +715,7 @@ class SlotDecoder:
     def _rechecked(self, phase: Phase, values: list[int]) -> Phase:
         state, size = phase.state, self.settings.slot_size
         slots = len(state.slots)
-        state.tokens, state.counts, eos = phase.read["tokens"], values[:slots], values[slots:]
+        state.tokens, state.counts, eos = phase.forward.tokens, values[:slots], values[slots:]
         ended = next((row for row in range(slots) if eos[row] < state.counts[row]), None)
         if ended is not None:  # the first slot with an accepted EOS completes; the slots after it are dropped
             state.counts[ended] = size
@@ -844,7 +900,7 @@ class SlotDecoder:
         """Whether `slots` chosen slots would take drafts into their verify forward or their first infill round."""
         return self._verify_width(slots) > 1 or self._priced_window(slots, slots) > 0
 
-    def _infill_layout(self, state: Infilling, windows: list[int], spans: list[tuple]) -> dict:
+    def _infill_layout(self, state: Infilling, windows: list[int], spans: list[tuple]) -> InfillRound:
         """Where the tokens of an infill round go, as flat positions in `[slots, slot_size]`: `fresh` accepted tokens
         not yet stored, drafts `queried` in the forward, and the positions `checked` by it (below `until`): the first
         draft by the last fresh token, each later one by the draft before it. At most `windows[i]` drafts of slot i
@@ -876,8 +932,8 @@ class SlotDecoder:
                          *rope, *at, *[state.prefix] * n, *groups, *parents, *at], self.device)  # fmt: skip
         stored, counts, ends, index_tensor, fields, at_tensor = values.split([slots, slots, slots, slots * size, 5 * n,
                                                                               n])  # fmt: skip
-        return dict(
-            layout,
+        return InfillRound(
+            **layout,
             index=index_tensor.view(slots, size),
             stored=stored,
             counts=counts,
