@@ -10,6 +10,7 @@ few widths (`WIDTH_BUCKETS`) and attending over the fewest columns that hold eve
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -271,61 +272,114 @@ def run_model(model, compiled, batch: dict, mask: torch.Tensor, cache, num_logit
 def execute(
     model, decoders: list[SlotDecoder], cache: DynamicCache | SlotCache | None, compiled=None, buckets=None
 ) -> int:
-    """Run the decoders' requests as batched forwards over one `cache` (without a cache every request carries its
-    whole sequence), through the `compiled` backbone where given, padded to its width `buckets`. After each forward
-    every row scores its logits on the device, and the scores of all rows come to the host in one read. Returns the
-    number of forwards."""
-    device = decoders[0].device
+    """Decode the rows of `decoders` to the end as batched forwards over one `cache` (without a cache every request
+    carries its whole sequence), through the `compiled` backbone where given, padded to its width `buckets`. Returns
+    the number of forwards. Each forward is one step of five, reading the device once:"""
+    executor = Executor(model, decoders, cache, compiled, buckets)
     requests = [decoder.request() for decoder in decoders]
-    if isinstance(cache, SlotCache):
-        layout = StaticLayout(cache, len(decoders), device, decoders[0].steps)
-    else:
-        layout = CacheLayout(cache, len(decoders), device)
-    # A forward runs at the width bucket priced cheapest for it (`ForwardPrices.run_width`); a measured price table
-    # (not the caller's) learns what forwards over the kind of cache it was measured on took.
-    pricing = decoders[0].prices if compiled is not None else None
-    prices = decoders[0].prices if isinstance(cache, SlotCache) else None
-    prices = prices if prices is not None and prices.key is not None else None
-    padding = upload(list(PADDING.values()), device)[:, None]
-    dtype = model.dtype  # (read once: transformers finds it by walking the parameters, each time)
     forwards = 0
-    while live := [row for row, request in enumerate(requests) if request is not None]:
-        rows = layout.batch_rows(live)
+    while any(request is not None for request in requests):
+        forward = executor.queries(requests, first=not forwards)  # 1. the rows' requests as one padded batch
+        logits = executor.run(forward)  # 2. the model's forward
+        scores = executor.score(forward, logits)  # 3. each row reads its logits on the device into a few integers
+        values = executor.read(forward, scores)  # ... and all rows' come to the host at once: the one wait
+        kept = executor.decide(forward, scores, values, requests)  # 4. each row decides; its next request
+        executor.keep(forward, kept)  # 5. the new tokens each row keeps stay in the cache, the rest go
+        forwards += 1
+    return forwards
+
+
+@dataclass
+class Forward:
+    """One batched forward of `execute`: the batch's rows, their requests (None: a row that runs as padding) and new
+    tokens each, its inputs (`FIELDS`, left-padded to its width), attention mask and the logits it keeps per row, the
+    backbone it runs through (None: eagerly) and when it started."""
+
+    rows: list[int]
+    requests: list[Request | None]
+    sizes: list[int]
+    batch: dict[str, torch.Tensor]
+    mask: torch.Tensor
+    num_logits: int
+    graph: object = None
+    started: float = 0.0
+
+
+class Executor:
+    """The steps of `execute` over one cache: where the rows' tokens are in it (`CacheLayout` or `StaticLayout`), the
+    width a forward runs at, and with `draft_schedule="price"` the forward prices, which choose widths (compiled
+    forwards, `ForwardPrices.run_width`) and, for a measured table over a static cache, learn what forwards took."""
+
+    def __init__(self, model, decoders: list[SlotDecoder], cache, compiled=None, buckets=None):
+        self.model, self.decoders, self.cache, self.compiled, self.buckets = model, decoders, cache, compiled, buckets
+        device = decoders[0].device
+        if isinstance(cache, SlotCache):
+            self.layout = StaticLayout(cache, len(decoders), device, decoders[0].steps)
+        else:
+            self.layout = CacheLayout(cache, len(decoders), device)
+        prices = decoders[0].prices
+        self.pricing = prices if compiled is not None else None
+        observed = isinstance(cache, SlotCache) and prices is not None and prices.key is not None
+        self.observed = prices if observed else None  # (a caller's table is taken as given)
+        self.padding = upload(list(PADDING.values()), device)[:, None]
+        self.dtype = model.dtype  # (read once: transformers finds it by walking the parameters, each time)
+
+    def queries(self, requests: list[Request | None], first: bool) -> Forward:
+        """The rows' requests as one forward: left-padded so that every row's queries end the batch (logits are
+        computed for those only), to the width bucket of the compiled backbone (priced cheapest, with prices), or
+        eagerly at its own width for the `first` forward (the prompts') where prepacked kernels serve it cheaper."""
+        rows = self.layout.batch_rows([row for row, request in enumerate(requests) if request is not None])
         batch_requests = [requests[row] for row in rows]
         sizes = [len(request) if request else 0 for request in batch_requests]
-        # The first forward, the prompts', runs eagerly at its own width where prepacked kernels serve it cheaper
-        eager_prompt = not forwards and prompt_runs_eagerly(model, compiled, cache, max(sizes), buckets)
-        graph, graph_buckets = (None, None) if eager_prompt else (compiled, buckets)
-        width = pad_width(max(sizes), graph_buckets)
-        if graph_buckets is not None and pricing is not None:
-            width = pricing.run_width(width)
-        # Left-pad the new tokens so that every row's queries end the batch: logits are computed for those only.
-        batch = padded_batch(batch_requests, width, padding)
-        mask = layout.mask(batch, sizes, dtype)
+        eager_prompt = first and prompt_runs_eagerly(self.model, self.compiled, self.cache, max(sizes), self.buckets)
+        graph, buckets = (None, None) if eager_prompt else (self.compiled, self.buckets)
+        width = pad_width(max(sizes), buckets)
+        if buckets is not None and self.pricing is not None:
+            width = self.pricing.run_width(width)
+        batch = padded_batch(batch_requests, width, self.padding)
+        mask = self.layout.mask(batch, sizes, self.dtype)
         num_logits = max(request.num_queries for request in batch_requests if request)
-        started = time.perf_counter()
-        logits = run_model(model, graph, batch, mask, cache, num_logits)
-        forwards += 1
-        scores = [
-            decoders[row].score(logits[position, num_logits - request.num_queries :]) if request else None
-            for position, (row, request) in enumerate(zip(rows, batch_requests))
+        return Forward(rows, batch_requests, sizes, batch, mask, num_logits, graph)
+
+    def run(self, forward: Forward) -> torch.Tensor:
+        """The logits of each row's last `num_logits` tokens."""
+        forward.started = time.perf_counter()
+        return run_model(self.model, forward.graph, forward.batch, forward.mask, self.cache, forward.num_logits)
+
+    def score(self, forward: Forward, logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each row's `SlotDecoder.score` of its own queries' logits (None for a row without a request)."""
+        return [
+            self.decoders[row].score(logits[position, forward.num_logits - request.num_queries :]) if request else None
+            for position, (row, request) in enumerate(zip(forward.rows, forward.requests))
         ]
+
+    def read(self, forward: Forward, scores: list[torch.Tensor | None]) -> list[int]:
+        """All rows' scores on the host, in one read; a measured price table learns what the forward took, as it
+        was measured (every new token scored)."""
         read = [score for score in scores if score is not None and score.shape[0]]
-        values = (read[0] if len(read) == 1 else torch.cat(read)).tolist() if read else []  # the one wait a step
-        if prices is not None and read and num_logits == width:  # as measured: every new token scored
-            prices.observe(width, time.perf_counter() - started)
+        values = (read[0] if len(read) == 1 else torch.cat(read)).tolist() if read else []
+        width = forward.batch["ids"].shape[1]
+        if self.observed is not None and read and forward.num_logits == width:
+            self.observed.observe(width, time.perf_counter() - forward.started)
+        return values
+
+    def decide(self, forward: Forward, scores: list, values: list[int], requests: list[Request | None]) -> list[int]:
+        """Each row decides from its share of `values` (`SlotDecoder.advance`) and makes its next request, in place in
+        `requests`; returns how many of each row's new tokens stay in the cache."""
         kept, start = [], 0
-        for row, request, score in zip(rows, batch_requests, scores):
+        for row, request, score in zip(forward.rows, forward.requests, scores):
             if request is None:
                 kept.append(0)
                 continue
-            decoder, end = decoders[row], start + score.shape[0]
+            decoder, end = self.decoders[row], start + score.shape[0]
             queries_kept = decoder.advance(values[start:end])
             start = end
             requests[row] = decoder.request()
             kept.append(len(request) - request.num_queries + queries_kept)
-        layout.keep(batch, sizes, kept)
-    return forwards
+        return kept
+
+    def keep(self, forward: Forward, kept: list[int]) -> None:
+        self.layout.keep(forward.batch, forward.sizes, kept)
 
 
 def static_cache_columns(prompt_length: int, max_new_tokens: int, slot_size: int, block_length: int) -> int:

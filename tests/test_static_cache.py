@@ -141,15 +141,15 @@ def test_an_infill_round_queries_fresh_tokens_masks_and_drafts_at_their_slots_po
     expected["parents"] += [NO_GROUP] * 5
     assert dict(ids=ids, rope=rope, groups=groups, parents=parents) == expected
     assert prefixes == [11] * len(ids)
-    read = phase.read
-    assert read["sizes"] == ([1, 8, 5] if fused else [1, 5]) and read["fresh_queries"].fields[0].tolist() == [100]
-    assert read["stored"].tolist() == [0, 2, 0]
-    assert read["counts"].tolist() == [1, 2, 0] and read["until"].tolist() == [4, 4, 3]
-    fresh, queried, checked = infill_masks(read["stored"], read["counts"], read["until"], 4)
+    layout = phase.forward  # an InfillRound
+    assert layout.sizes == ([1, 8, 5] if fused else [1, 5]) and layout.fresh_queries.fields[0].tolist() == [100]
+    assert layout.stored.tolist() == [0, 2, 0]
+    assert layout.counts.tolist() == [1, 2, 0] and layout.until.tolist() == [4, 4, 3]
+    fresh, queried, checked = infill_masks(layout.stored, layout.counts, layout.until, 4)
     assert fresh.tolist() == [[True, False, False, False], [False] * 4, [False] * 4]
     assert checked.tolist() == [[False, True, True, True], [False, False, True, True], [True, True, True, False]]
     assert queried.tolist() == [[False, True, True, False], [False, False, True, False], [True, True, False, False]]
-    assert read["index"].tolist() == [[12, 13, 14, 15], [0, 1, 2, 3], [8, 9, 10, 11]]
+    assert layout.index.tolist() == [[12, 13, 14, 15], [0, 1, 2, 3], [8, 9, 10, 11]]
 
 
 def test_the_static_cache_is_reused_while_it_fits_and_replaced_when_it_does_not():
