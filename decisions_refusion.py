@@ -278,7 +278,7 @@ def score_verify(
     drafts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy fast-rule verify forward scored whole, from its logits to what the host reads: the chosen slots'
-    drafts `tokens` (`[slots, slot_size]`) ran as one causal run of the same number of leading tokens a slot, so its
+    drafts `tokens` (`[slots, slot_size]`) ran (each slot apart) with the same number of leading tokens a slot, so its
     `logits` are `[slots, width, vocabulary]` and the row of offset i - 1 scores offset i, up to the width. Decides
     as `greedy_distributions` (computed as `greedy_logsumexp`) then `judge_verify` do, then with `drafts`
     (`lookup_drafts`) `copy_drafts` from `text` (`at`: the slots' text positions) does. Returns the host's values

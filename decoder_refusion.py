@@ -281,6 +281,7 @@ class VerifyForward:
     index: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     width: int = 0
+    queries: Queries | None = None
 
 
 @dataclass
@@ -389,6 +390,7 @@ class SlotDecoder:
         prompt_positions = torch.arange(prompt.shape[0], device=self.device)
         self.record.append(Queries.causal(prompt, prompt_positions, 0, self._new_group()))
         self.block = 0  # first slot of the block being decoded
+        self.context = 0  # stored tokens when the current plan step began: what its chosen slots are checked against
         self.phase = self._next_step()
 
     # ---- the loop: one forward a round of calls -----------------------------------------------------------------
@@ -447,6 +449,7 @@ class SlotDecoder:
             block = range(self.block, min(self.block + slots_per_block, self.num_slots))
             if masked := [slot for slot in block if self.status[slot] == self.MASKED]:
                 self.step_start = (self.forwards, self.committed_slots)
+                self.context = len(self.record)
                 return Phase(self.PLAN, slots=masked)
             self.block += slots_per_block
         return Phase(self.FINISHED)
@@ -474,13 +477,14 @@ class SlotDecoder:
     def _plan_queries(self, phase: Phase) -> Queries:
         """Draft every token of the masked slots in one forward; only their first tokens (which choose the slots)
         where the price schedule finds that drafts do not pay (the slots are then completed token by token) or where
-        the drafts after them are copied from the text (`lookup_drafts`)."""
+        the drafts after them are copied from the text (`lookup_drafts`). The authors' rule drafts them as one causal
+        run; the fast rule drafts each slot apart, so that how many drafts a plan takes never changes which slots it
+        chooses."""
         index = self._slot_index(phase.slots)
         if self.settings.lookup_drafts or self.prices is not None and not self._drafts_pay(len(phase.slots)):
             index = index[:, :1]
-        index = index.flatten()
-        phase.forward = PlanForward(index)
-        return self._causal(torch.full_like(index, self.settings.mask_token_id), index)
+        phase.forward = PlanForward(index.flatten())
+        return self._run(torch.full_like(index, self.settings.mask_token_id), index)
 
     def _score_plan(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Keep the drafts; choose the slots to decode by their first draft's confidence (and, for one-token slots,
@@ -516,18 +520,20 @@ class SlotDecoder:
         eos = [0 if is_eos else 1 for is_eos, keep in zip(values[slots:], values[:slots]) if keep]
         leading = leading_complete([1] * len(chosen), eos, 1)
         tokens = self.drafts[self._slot_index(chosen[:leading])]
-        self._commit_run(chosen[:leading], tokens, eos[:leading], computed=False)
+        self._commit_run(chosen[:leading], tokens, eos[:leading])
         return self._step_done()
 
     # ---- verify -----------------------------------------------------------------------------------------------
     def _verify_queries(self, phase: Phase) -> Queries:
-        """The chosen drafts as one causal run: each slot's leading `_verify_width` tokens."""
+        """The chosen drafts, each slot's leading `_verify_width` tokens: as one causal run by the authors' rule, each
+        slot apart by the fast rule (checked against the sequence its plan step saw, whatever the width)."""
         index = self._slot_index(phase.slots)
         tokens = self.drafts[index]
         forward = phase.forward
         forward.index, forward.tokens = index, tokens
         forward.width = width = self._verify_width(len(phase.slots), forward.found)
-        return self._causal(tokens[:, :width].flatten(), index[:, :width].flatten())
+        forward.queries = self._run(tokens[:, :width], index[:, :width])
+        return forward.queries
 
     def _score_verify(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts: each slot's accepted length and EOS offset and, for the fast rule, the tokens and counts
@@ -568,17 +574,17 @@ class SlotDecoder:
         slots = len(chosen)
         accepted, eos = values[:slots], values[slots : 2 * slots]
         leading = leading_complete(accepted, eos, size) if forward.width == size else 0  # else not all computed
-        self._commit_run(chosen[:leading], forward.tokens[:leading], eos[:leading], computed=True)
+        self._commit_run(chosen[:leading], forward.tokens[:leading], eos[:leading], computed=forward.queries)
         groups = self._new_groups(slots - leading)
         if self.settings.infill_mode == "reference":
             if leading:  # the other chosen slots return to [MASK] and are planned again
                 return self._step_done()
-            state = Infilling(chosen, forward.tokens, accepted, [0] * slots, groups, len(self.record))
+            state = Infilling(chosen, forward.tokens, accepted, [0] * slots, groups, self.context)
             return self._infilling(state, eos)
         counts, eos = values[2 * slots + leading : 3 * slots], values[3 * slots + leading : 4 * slots]
         found = values[4 * slots + leading :] if self.settings.lookup_drafts else None
         state = Infilling(chosen[leading:], forward.tokens[leading:], counts, [0] * len(counts), groups,
-                          len(self.record), found)  # fmt: skip
+                          self.context, found)  # fmt: skip
         return self._infilling(self._settle(state, eos))
 
     # ---- infill, fast rule ------------------------------------------------------------------------------------
@@ -826,10 +832,10 @@ class SlotDecoder:
         self._watch()
         return state.select(rest) if rest else None
 
-    def _commit_run(self, slots: list[int], tokens: torch.Tensor, eos: list[int], computed: bool) -> None:
-        """Commit the slots as one causal run (the verify run's leading slots), each up to its EOS (at offset
-        `eos[i]`, `slot_size` when none; only the last slot of a run can hold one, as an EOS ends the answer), with
-        the K/V of the forward just run when `computed`."""
+    def _commit_run(self, slots: list[int], tokens: torch.Tensor, eos: list[int], computed: Queries | None = None):
+        """Commit the slots, each up to its EOS (at offset `eos[i]`, `slot_size` when none; only the last slot of a run
+        can hold one, as an EOS ends the answer): as the leading queries `computed` of the forward just run (the verify
+        forward's leading slots), with its K/V; else as one causal run whose K/V the next forward computes."""
         if not slots:
             return
         size = self.settings.slot_size
@@ -842,8 +848,10 @@ class SlotDecoder:
             self.status[slot] = self.DONE
             if offset < size:
                 self._stop_at(slot * size + offset + 1)
-        run = self._causal(run, index)
-        self.record.keep(run) if computed else self.record.append(run)
+        if computed is None:
+            self.record.append(self._causal(run, index))
+        else:
+            self.record.keep(Queries(computed.fields[:, :length]))
         self._watch()
 
     def _stop_at(self, length: int) -> None:
@@ -965,6 +973,16 @@ class SlotDecoder:
 
     def _causal(self, ids: torch.Tensor, index: torch.Tensor) -> Queries:
         return Queries.causal(ids, index + self.prompt.shape[0], len(self.record), self._new_group())
+
+    def _run(self, ids: torch.Tensor, index: torch.Tensor) -> Queries:
+        """A plan or verify forward's `[slots, width]` tokens: one causal run by the authors' rule; by the fast rule
+        each slot in a group of its own that sees the sequence as the plan step found it (`context`)."""
+        if self.settings.infill_mode == "reference":
+            return self._causal(ids.flatten(), index.flatten())
+        groups = upload(self._new_groups(ids.shape[0]), self.device)[:, None].expand_as(ids).flatten()
+        ids = ids.flatten()
+        return Queries.of(ids, index.flatten() + self.prompt.shape[0], torch.full_like(ids, self.context), groups,
+                          torch.full_like(ids, NO_GROUP))  # fmt: skip
 
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """Answer indices of the tokens of `slots`, shape `[len(slots), slot_size]`."""

@@ -6,8 +6,10 @@ tokens. Inside a block every step runs:
 1. **plan**   one forward over the block's masked slots (after everything committed) drafts every masked token;
               a slot's confidence is the probability of its first draft token. Slots above `slot_threshold`
               are chosen, or the single most confident one.
-2. **verify** one causal forward over the chosen drafts in position order gives every drafted token its
-              autoregressive probability. The leading chosen slots whose tokens all pass `token_threshold` (a
+2. **verify** one forward over the chosen drafts gives every drafted token its autoregressive probability: as
+              one causal run in position order by the authors' rule; by the fast rule each slot apart, against the
+              sequence as the plan found it (so how many drafts a forward takes never changes a greedy answer at a
+              `token_threshold` of 0.5 or more). The leading chosen slots whose tokens all pass `token_threshold` (a
               slot's first token always passes) are committed with the K/V of this very forward.
 3. **infill** the other chosen slots are completed, each attending only to the committed sequence and to itself.
               How depends on `infill_mode`:
@@ -89,7 +91,9 @@ class RefusionGenerateOutput(ModelOutput):
     drafts checked in an infill round, after a slot's first correction): `draft_offered[s, k]` counts the drafts at
     slot offset k checked with every draft before them in the same check accepted, `draft_accepted[s, k]` those
     that passed, `draft_runs[s]` the slot checks (one accepted run each), `verify_forwards` the forwards that
-    checked drafts."""
+    checked drafts. `forward_prices`: the table that priced the forwards under `draft_schedule="price"` (the caller's,
+    or the one measured on this machine), which a later decode can pass as `forward_prices` to take the same
+    decisions."""
 
     sequences: torch.LongTensor | None = None
     num_forward_passes: int | None = None
@@ -99,6 +103,7 @@ class RefusionGenerateOutput(ModelOutput):
     draft_accepted: torch.LongTensor | None = None
     draft_runs: torch.LongTensor | None = None
     verify_forwards: int | None = None
+    forward_prices: dict[int, float] | None = None
 
 
 def refusion_generate(
@@ -201,6 +206,7 @@ def refusion_generate(
         tokens_per_forward=sum(ends) / max(forwards, 1),
         step_tokens_per_forward=sum(ratios) / max(len(ratios), 1),
         **AcceptanceProfile.output_fields([decoder.profile for decoder in decoders]),
+        forward_prices=None if prices is None else dict(prices.table),
     )
 
 

@@ -193,7 +193,8 @@ DECODING_SETTINGS = (
     DecodingSetting(
         "draft_schedule", "fixed", str, "`fixed`: every forward takes `draft_window` drafts of a slot; `price`: "
         "each forward takes the number (0 up to `draft_window`) that maximises expected tokens per second, from "
-        "the price of a forward of each width on this machine (`forward_prices`) and the acceptance seen so far.",
+        "the price of a forward of each width (`forward_prices`; measured on this machine when not given, at a "
+        "`token_threshold` of 0.5 or more only) and the acceptance seen so far.",
         choices=DRAFT_SCHEDULES, rules=("fast",), neutral="fixed",
     ),
     DecodingSetting(
@@ -374,6 +375,8 @@ def resolve_settings(
             f"prompt length {prompt_length}). Pass max_new_tokens >= 1."
         )
     do_sample = bool(config.do_sample)
+    if decoding["draft_schedule"] == "price" and forward_prices is None and not do_sample:
+        check_measured_prices_apply(decoding["token_threshold"])
     if do_sample and config.temperature is not None and config.temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}.")
     if config.top_p is not None and not 0.0 < config.top_p <= 1.0:
@@ -399,6 +402,21 @@ def resolve_settings(
         max_cache_len=max_cache_len,
     )
     return settings, config
+
+
+def check_measured_prices_apply(token_threshold: float) -> None:
+    """A greedy decode prices its forwards with a table measured on this machine (a clock) only where the drafts
+    offered cannot change the answer: at a `token_threshold` of 0.5 or more, where only the model's own token passes
+    (each chosen slot being checked against the sequence its plan step saw). Below it, the caller's table decides."""
+    if token_threshold < 0.5:
+        raise ValueError(
+            f"draft_schedule='price' with token_threshold={token_threshold} would let a timing change a greedy "
+            "answer: below 0.5 the drafts a forward offers decide what passes, and with no forward_prices the "
+            "schedule prices forwards by measuring them. Pass forward_prices={width: price} (your table then "
+            "decides the drafts; a priced decode returns the table it used as forward_prices, with "
+            "return_dict_in_generate=True), or token_threshold >= 0.5 (only the model's own token passes: the "
+            "measured table changes the speed, never the answer)."
+        )
 
 
 def whole(value, low: int | None = None, high: int | None = None) -> bool:

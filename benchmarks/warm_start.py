@@ -1,7 +1,8 @@
 """How long a fresh process takes to the first answer token of compiled ReFusion (prints a table).
 
     python -m benchmarks.warm_start --compile_cache_dir DIR [--paths eager compiled saved saved] [--dtype bfloat16]
-        [--draft_schedule price] [--lookup_drafts 4] [--max_new_tokens 64] [--no_freeze] [--output_dir DIR]
+        [--draft_schedule price] [--token_threshold 0.5] [--lookup_drafts 4] [--max_new_tokens 64] [--no_freeze]
+        [--output_dir DIR]
 
 Each run is a new Python process (`--child`), as a restarted server or script is: it imports, loads the shipped
 model (`recipe.model.load_base` + `with_adapter`, the decoding policy's kernels), then decodes one held-out prompt
@@ -45,7 +46,8 @@ def child(args: argparse.Namespace) -> dict:
     model = model.to(decoding_dtype(args.dtype))
     prepare_for_decoding(model)
     loaded = time.perf_counter()
-    settings = dict(max_new_tokens=args.max_new_tokens, draft_schedule=args.draft_schedule, do_sample=False)
+    settings = dict(max_new_tokens=args.max_new_tokens, draft_schedule=args.draft_schedule, do_sample=False,
+                    token_threshold=args.token_threshold)  # fmt: skip
     if args.lookup_drafts is not None:
         settings["lookup_drafts"] = args.lookup_drafts
     if args.child != "eager":
@@ -83,6 +85,9 @@ def main() -> None:
                         choices=["eager", "compiled", "saved"])  # fmt: skip
     parser.add_argument("--dtype", default=None, help="ReFusion's dtype (default: the decoding policy's)")
     parser.add_argument("--draft_schedule", default="price", choices=["fixed", "price"])
+    parser.add_argument("--token_threshold", type=float, default=0.5,
+                        help="0.5 or more: a measured price table changes the speed, never the answer (below it "
+                        "generate() takes priced drafts only from a table passed in)")  # fmt: skip
     parser.add_argument("--lookup_drafts", type=int, default=None)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--no_freeze", action="store_true", help="compile without inductor's weight freezing")
@@ -112,7 +117,8 @@ def main() -> None:
                 if line.startswith("model name")), platform.machine())  # fmt: skip
     lines = [
         f"One held-out prompt, {args.max_new_tokens} new tokens, batch 1, {rows[0]['dtype']}, draft schedule "
-        f"{args.draft_schedule}, lookup_drafts {args.lookup_drafts if args.lookup_drafts is not None else 'shipped'}, "
+        f"{args.draft_schedule}, token threshold {args.token_threshold}, lookup_drafts "
+        f"{args.lookup_drafts if args.lookup_drafts is not None else 'shipped'}, "
         f"{'unfrozen' if args.no_freeze else 'frozen'} weights; {cpu}, {os.cpu_count()} cores, torch "
         f"{rows[0]['torch']}; each row a new process, in this order. Saved forwards kept: {kept / 1e9:.2f} GB.",
         "",

@@ -181,6 +181,8 @@ def decode(
         synchronize(model.device)
         forward_seconds += time.perf_counter() - started
 
+    if not autoregressive and prompts:
+        generate_kwargs = with_fixed_prices(model, tokenizer, prompts[:batch_size], max_new_tokens, generate_kwargs)
     hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)] if time_forwards else []
     # The bound `model.generate`: a native export loaded with trust_remote_code carries ReFusion's decoder as an
     # instance attribute (transformers' custom_generate), which the class's method would bypass.
@@ -218,6 +220,32 @@ def decode(
             hook.remove()
     timed = forward_seconds if time_forwards else None
     return DecodeRun(answers, seconds, forwards, timed, step_ratios or None, acceptance)
+
+
+def with_fixed_prices(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts, max_new_tokens: int, settings: dict
+) -> dict:
+    """`settings`, with a price table fixed for the run where they price drafts below `token_threshold` 0.5 with no
+    table of their own (where `generate()` refuses a measured one: the drafts then decide what passes, and a timing
+    taken mid-run would change the answers): the table a priced decode of `prompts` at 0.5 measures, before the
+    timing, as `generate()` would have measured it."""
+    config = model.generation_config
+    threshold = settings.get("token_threshold", getattr(config, "token_threshold", None))
+    schedule = settings.get("draft_schedule", getattr(config, "draft_schedule", None))
+    if schedule != "price" or threshold is None or threshold >= 0.5 or "forward_prices" in settings:
+        return settings
+    if getattr(config, "forward_prices", None) is not None:
+        return settings
+    fixed = model.__dict__.setdefault("_recipe_fixed_prices", {})  # one measuring decode per shape and setting
+    key = (len(prompts), max(map(len, prompts)), max_new_tokens, repr(sorted(settings.items())))
+    if key not in fixed:
+        input_ids, attention_mask = left_padded(prompts, tokenizer.pad_token_id)
+        measuring = dict(settings, token_threshold=0.5, return_dict_in_generate=True, do_sample=False)
+        output = model.generate(input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                                max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                **measuring)  # fmt: skip
+        fixed[key] = output.forward_prices
+    return dict(settings, forward_prices=fixed[key])
 
 
 CACHE_BUCKET = 128  # compiled AR: static cache lengths are multiples of this, so prompt sets share a compiled graph

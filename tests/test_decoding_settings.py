@@ -128,10 +128,20 @@ def test_draft_window_none_checks_whole_slots_on_a_windowed_model(shipped_like):
     whole = decode(shipped_like, draft_window=None)
     configured = decode(shipped_like, generation_config=shipped_like.generation_config.__class__(
         **dict(SHIPPED, draft_window=None)))  # fmt: skip
-    windowed = decode(shipped_like)
+    queries = []  # the queries of each forward (the tokens whose logits it keeps)
+    hook = shipped_like.register_forward_pre_hook(
+        lambda module, args, kwargs: queries.append(kwargs["logits_to_keep"]), with_kwargs=True
+    )
+    try:
+        decode(shipped_like, draft_window=None)
+        whole_queries, queries[:] = sum(queries), []
+        windowed = decode(shipped_like)
+    finally:
+        hook.remove()
     assert torch.equal(whole.sequences, configured.sequences)
     assert whole.num_forward_passes == configured.num_forward_passes
-    assert not torch.equal(whole.sequences, windowed.sequences)  # the window mattered on this model
+    assert sum(queries) < whole_queries  # the window mattered: narrower forwards
+    assert windowed.num_forward_passes >= whole.num_forward_passes
 
 
 def test_generate_refuses_conflicting_passed_options_by_name(shipped_like):

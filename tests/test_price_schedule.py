@@ -5,6 +5,7 @@ are exact: the same tokens cached, static, recomputed, batched and alone, for a 
 
 import json
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,9 @@ SETTINGS = dict(
     max_new_tokens=24, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
     pad_token_id=0, return_dict_in_generate=True,
 )  # fmt: skip
+MEASURED = dict(
+    SETTINGS, token_threshold=0.5
+)  # a measured table prices greedy decodes only where it cannot change them
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -230,7 +234,7 @@ def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatc
     path = tmp_path / "prices.json"
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
     model = sharpened_model("qwen2", scale=4.0)
-    first = model.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    first = model.generate(PROMPT, draft_schedule="price", **MEASURED)
     (key, table), *others = json.loads(path.read_text()).items()
     assert not others and "torch.float64" in key and "eager" in key
     widths = [int(width) for width in table]  # measuring may stop early: a prefix of the widths, two at least
@@ -242,8 +246,8 @@ def test_measured_prices_are_kept_in_the_file_and_read_back(tmp_path, monkeypatc
 
     monkeypatch.setattr(prices_refusion, "measure_forward_prices", refuse)
     fresh = sharpened_model("qwen2", scale=4.0)  # a new model object: nothing kept on it
-    again = fresh.generate(PROMPT, draft_schedule="price", **SETTINGS)
-    same = fresh.generate(PROMPT, draft_schedule="price", forward_prices=table, **SETTINGS)
+    again = fresh.generate(PROMPT, draft_schedule="price", **MEASURED)
+    same = fresh.generate(PROMPT, draft_schedule="price", forward_prices=table, **MEASURED)
     assert torch.equal(again.sequences, same.sequences)
     assert torch.equal(first.sequences, again.sequences)  # the table in force was the measured one
 
@@ -379,7 +383,7 @@ def test_a_decode_measures_its_prices_after_a_forward_as_wide_as_its_prompt(monk
     monkeypatch.setattr(prices_refusion, "measure_forward_prices", spy)
     model = sharpened_model("qwen3", scale=4.0)
     ids, mask = left_padded(PROMPTS)
-    model.generate(ids, attention_mask=mask, draft_schedule="price", **SETTINGS)
+    model.generate(ids, attention_mask=mask, draft_schedule="price", **MEASURED)
     assert measured == [ids.shape[1]]
 
 
@@ -432,7 +436,7 @@ def kept_table(model, settings: dict, path, monkeypatch, factor: float = 1.0):
 def test_a_kept_table_that_decodes_beat_is_measured_again(tmp_path, monkeypatch, caplog):
     path = tmp_path / "prices.json"
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
-    settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
+    settings = dict(MEASURED, draft_schedule="price", cache_implementation="static")
     model = sharpened_model("llama", scale=4.0)
     key, first = kept_table(model, settings, path, monkeypatch, factor=1e12)  # as if measured on a very busy machine
     again = model.generate(PROMPT, **settings)
@@ -449,7 +453,7 @@ def test_a_table_measured_in_this_process_that_decodes_beat_takes_their_times(tm
     """Measuring again would as likely give the same prices: the beaten widths take the decode's fastest forward."""
     path = tmp_path / "prices.json"
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
-    settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
+    settings = dict(MEASURED, draft_schedule="price", cache_implementation="static")
     model = sharpened_model("llama", scale=4.0)
     dear = {1: 1e3, 2: 1.5e3, 64: 8e3}  # seconds: every decode beats it
     measured = []
@@ -474,7 +478,7 @@ def test_a_table_measured_in_this_process_that_decodes_beat_takes_their_times(tm
 def test_a_table_stays_where_no_decode_over_its_cache_beat_it(tmp_path, monkeypatch, caplog, case):
     path = tmp_path / "prices.json"
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
-    settings = dict(SETTINGS, draft_schedule="price", cache_implementation="static")
+    settings = dict(MEASURED, draft_schedule="price", cache_implementation="static")
     model = sharpened_model("qwen2", scale=4.0)
     kept_table(model, settings, path, monkeypatch, factor=1.0 if case == "cheaper than measured" else 1e12)
     if case == "over another kind of cache":  # the same key: measured over a static cache like the dynamic one
@@ -498,7 +502,7 @@ def test_a_damaged_file_is_moved_aside_and_measured_again_and_an_empty_name_keep
     (tmp_path / "prices.json.corrupt").write_text("an earlier damaged file")
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
     model = sharpened_model("llama", scale=4.0)
-    model.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    model.generate(PROMPT, draft_schedule="price", **MEASURED)
     assert len(json.loads(path.read_text())) == 1
     assert (tmp_path / "prices.json.corrupt.1").read_text() == "{not json"
     assert (tmp_path / "prices.json.corrupt").read_text() == "an earlier damaged file"
@@ -509,7 +513,7 @@ def test_a_damaged_file_is_moved_aside_and_measured_again_and_an_empty_name_keep
 
     monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
     other = sharpened_model("mistral", scale=4.0)
-    other.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    other.generate(PROMPT, draft_schedule="price", **MEASURED)
     assert len(other._refusion_prices) == 1 and not path.exists()
 
 
@@ -520,7 +524,7 @@ def test_damaged_tables_are_dropped_alone_with_one_warning(tmp_path, monkeypatch
     path = tmp_path / "prices.json"
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(path))
     model = sharpened_model("llama", scale=4.0)
-    settings = dict(SETTINGS, draft_schedule="price")
+    settings = dict(MEASURED, draft_schedule="price")
     key, _ = kept_table(model, settings, path, monkeypatch)
     good = {"another model's": {"1": 0.5, "8": 0.75}}
     damaged = {
@@ -544,7 +548,7 @@ def test_an_unwritable_file_warns_and_decodes(tmp_path, monkeypatch, caplog):
     blocker.write_text("")
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(blocker / "prices.json"))  # its folder is a file
     model = sharpened_model("llama", scale=4.0)
-    output = model.generate(PROMPT, draft_schedule="price", **SETTINGS)
+    output = model.generate(PROMPT, draft_schedule="price", **MEASURED)
     assert output.sequences.shape[1] == PROMPT.shape[1] + SETTINGS["max_new_tokens"]
     assert "could not be kept" in caplog.text
 
@@ -575,7 +579,7 @@ def test_a_file_that_cannot_be_written_warns_once_and_leaves_no_partial_file(tmp
     monkeypatch.setenv("REFUSION_PRICE_CACHE", str(folder))
     monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *a, **k: dict(CHEAP))
     for architecture in ("llama", "qwen2"):  # two models: each measures and would keep its table
-        output = sharpened_model(architecture, scale=4.0).generate(PROMPT, draft_schedule="price", **SETTINGS)
+        output = sharpened_model(architecture, scale=4.0).generate(PROMPT, draft_schedule="price", **MEASURED)
         assert output.sequences.shape[1] == PROMPT.shape[1] + SETTINGS["max_new_tokens"]
     assert caplog.text.count(f"The forward price file {folder} could not be read") == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["forward_prices.json", "prices.json"]
@@ -666,3 +670,93 @@ def test_a_pessimistic_prior_starts_narrow_where_width_is_free_and_stays_exact(f
     assert optimistic[0] == slots_per_block * size and pessimistic[0] == slots_per_block
     settings["draft_prior"] = 0.0
     assert_exact_everywhere(model, settings)
+
+
+# ---- greedy answers do not depend on timing ------------------------------------------------------------------------
+SCHEDULES = {
+    "whole slots": {},
+    "window 1": dict(draft_window=1),
+    "window 2": dict(draft_window=2),
+    "free width": dict(draft_schedule="price", forward_prices=FLAT),
+    "linear prices": dict(draft_schedule="price", forward_prices=LINEAR),
+    "dear width": dict(draft_schedule="price", forward_prices=STEEP),
+    "copied drafts": dict(lookup_drafts=2),
+    "priced copied drafts": dict(lookup_drafts=2, draft_schedule="price", forward_prices=LINEAR),
+}
+
+
+@pytest.mark.parametrize("fused_redraft", [False, True])
+@pytest.mark.parametrize("threshold", [0.5, 0.8])
+def test_where_only_the_model_s_own_token_passes_neither_prices_nor_window_change_the_answer(
+    model, threshold, fused_redraft
+):
+    # Each chosen slot is checked against the sequence as its plan step found it, whatever its siblings committed
+    # since: so the forwards' widths (and the drafts they check) change how many forwards a decode takes, never its
+    # tokens.
+    ids, mask = left_padded(PROMPTS)
+    settings = dict(SETTINGS, token_threshold=threshold, fused_redraft=fused_redraft)
+    answers, queries = {}, {}
+    for name, schedule in SCHEDULES.items():
+        call = partial(model.generate, ids, attention_mask=mask, **settings, **schedule)
+        queries[name] = sum(forward_queries(model, lambda call=call, name=name: answers.setdefault(name, call())))
+    expected = answers["whole slots"].sequences
+    assert {name for name, answer in answers.items() if not torch.equal(answer.sequences, expected)} == set()
+    assert len(set(queries.values())) >= 4  # (the schedules ran forwards of other widths)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.49])
+def test_a_greedy_decode_below_one_half_takes_priced_drafts_only_from_a_table_passed_in(threshold):
+    model = sharpened_model("qwen3", scale=4.0)
+    settings = dict(SETTINGS, token_threshold=threshold, draft_schedule="price")
+    with pytest.raises(ValueError, match=rf"token_threshold={threshold} would let a timing change a greedy answer"):
+        model.generate(PROMPT, **settings)
+    model.generate(PROMPT, forward_prices=LINEAR, **settings)  # the caller's table decides
+    model.generation_config.forward_prices = LINEAR
+    model.generate(PROMPT, **settings)  # so does one the generation config carries
+    model.generation_config.forward_prices = None
+    torch.manual_seed(0)
+    model.generate(PROMPT, do_sample=True, **settings)  # a sampled answer is not a repeatable one anyway
+
+
+def test_a_priced_decode_returns_the_table_it_used_and_passing_it_back_decides_alike(monkeypatch):
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices", lambda *args, **kwargs: dict(CHEAP))
+    model = sharpened_model("llama", scale=4.0)
+    ids, mask = left_padded(PROMPTS)
+    measured = model.generate(ids, attention_mask=mask, draft_schedule="price", **MEASURED)
+    assert measured.forward_prices and all(isinstance(width, int) for width in measured.forward_prices)
+    for threshold in (0.3, 0.5):  # below one half too, where only a table passed in may price the drafts
+        settings = dict(MEASURED, token_threshold=threshold, draft_schedule="price")
+        first = model.generate(ids, attention_mask=mask, forward_prices=measured.forward_prices, **settings)
+        again = model.generate(ids, attention_mask=mask, forward_prices=first.forward_prices, **settings)
+        assert torch.equal(first.sequences, again.sequences)
+        assert first.num_forward_passes == again.num_forward_passes
+    unpriced = model.generate(ids, attention_mask=mask, **MEASURED)
+    assert unpriced.forward_prices is None
+
+
+def test_the_recipe_fixes_a_table_before_timing_priced_drafts_below_one_half(monkeypatch):
+    from tiny import tiny_tokenizer
+
+    from recipe.decoding import decode
+
+    monkeypatch.setenv("REFUSION_PRICE_CACHE", "")
+    measured = []
+    monkeypatch.setattr(prices_refusion, "measure_forward_prices",
+                        lambda *args, **kwargs: measured.append(1) or dict(CHEAP))  # fmt: skip
+    model = sharpened_model("qwen2", scale=4.0)
+    tokenizer = tiny_tokenizer()
+    prompts = [PROMPT[0].tolist(), PROMPT[0, :5].tolist()]
+    settings = dict(slot_size=4, block_length=8, token_threshold=0.3, draft_schedule="price", eos_token_id=[])
+    runs = [decode(model, tokenizer, prompts, 12, batch_size=2, **settings) for _ in range(2)]
+    fixed = decode(
+        model,
+        tokenizer,
+        prompts,
+        12,
+        batch_size=2,
+        forward_prices=ForwardPrices(CHEAP, key="measured").table,
+        **settings,
+    )
+    assert runs[0].answers == runs[1].answers == fixed.answers
+    assert len(measured) == 1  # measured once, by a decode at one half, outside the timed ones

@@ -569,7 +569,7 @@ def test_priced_compiled_decodes_run_narrow_forwards_in_narrow_buckets_and_give_
     model = sharpened_model("llama", scale=4.0)
     steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0, 32: 30.0, 64: 60.0}  # width is dear: one query per slot
     settings = dict(
-        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, fused_redraft=True,
+        max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.5, fused_redraft=True,
         eos_token_id=[], pad_token_id=0, draft_schedule="price", forward_prices=steep, cache_implementation="static",
         compile_config=compile_config(),
     )  # fmt: skip

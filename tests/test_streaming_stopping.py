@@ -53,7 +53,8 @@ def test_streamed_tokens_concatenate_to_the_answer(model, eos):
     answer = answer_of(model.generate(PROMPT, eos_token_id=eos_token_id, streamer=streamer, **SETTINGS))
     assert streamer.ended
     assert torch.equal(streamer.puts[0], PROMPT[0])
-    assert len(streamer.puts) > 2  # the answer arrives in several pieces as its in-order prefix grows
+    if eos == []:
+        assert len(streamer.puts) > 2  # the answer arrives in several pieces as its in-order prefix grows
     assert torch.equal(torch.cat(streamer.puts[1:]), answer)
     assert answer.shape[0] == (len(free) if eos == [] else free.index(eos_token_id) + 1)
 
@@ -97,12 +98,14 @@ def test_stopping_criteria_end_the_answer_at_the_first_hit(model):
 def test_stop_strings_need_the_tokenizer_and_stop_the_text(model):
     tokenizer = tiny_tokenizer()
     free = answer_of(model.generate(PROMPT, eos_token_id=[], **SETTINGS))
-    stop = tokenizer.decode(free[5:7])
+    # two answer tokens that decode to text of their own (not bytes of a character cut in two)
+    end = next(end for end in range(5, free.shape[0]) if "\ufffd" not in tokenizer.decode(free[end - 2 : end]))
+    stop = tokenizer.decode(free[end - 2 : end])
     with pytest.raises(ValueError, match="tokenizer"):
         model.generate(PROMPT, stop_strings=[stop], **SETTINGS)
     answer = answer_of(model.generate(PROMPT, eos_token_id=[], stop_strings=[stop], tokenizer=tokenizer, **SETTINGS))
     assert tokenizer.decode(answer).endswith(stop) or stop in tokenizer.decode(answer)
-    assert answer.shape[0] <= 7
+    assert answer.shape[0] <= end
     assert torch.equal(answer, free[: answer.shape[0]])
 
 
