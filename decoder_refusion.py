@@ -5,8 +5,7 @@
 (`Request`, `Queries`), `score(logits)` reads that forward on the device into a few integers, and `advance(values)`
 decides from them (with the functions of `decisions_refusion`) and moves on. `StoredSequence` records the order in
 which a row's tokens were stored and what each attends to; `Infilling` the slots being infilled; `AcceptanceProfile`
-how many drafts of each kind passed; `InOrderWatcher` streams the in-order prefix of an answer and applies stopping
-criteria to it.
+how many drafts of each kind passed. A row's `watcher` (`generation_refusion.InOrderWatcher`) sees each commit.
 """
 
 import array
@@ -232,35 +231,6 @@ class AcceptanceProfile:
             "draft_runs": runs,
             "verify_forwards": sum(profile.forwards for profile in profiles),
         }
-
-
-class InOrderWatcher:
-    """Streams, and applies stopping criteria to, the in-order prefix of one answer as it grows. ReFusion commits
-    slots out of reading order; only the contiguous prefix is final text. (Both read the answer to the host.)"""
-
-    def __init__(self, prompt: torch.Tensor, streamer=None, criteria=None):
-        self.prompt, self.streamer, self.criteria, self.emitted = prompt, streamer, criteria, 0
-        if streamer is not None:
-            streamer.put(prompt[None].cpu())
-
-    def advance(self, answer: torch.Tensor, frontier: int) -> int | None:
-        """Take the answer final up to `frontier`; return where a criterion ends it, if one fires."""
-        if frontier <= self.emitted:
-            return None
-        stop = None
-        if self.criteria:
-            for length in range(self.emitted + 1, frontier + 1):
-                if self.criteria(torch.cat([self.prompt, answer[:length]])[None], None).any():
-                    stop = frontier = length
-                    break
-        if self.streamer is not None:
-            self.streamer.put(answer[self.emitted : frontier].cpu())
-        self.emitted = frontier
-        return stop
-
-    def end(self) -> None:
-        if self.streamer is not None:
-            self.streamer.end()
 
 
 # ---- one row: a state machine the executor steps -------------------------------------------------------------------

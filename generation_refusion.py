@@ -54,7 +54,7 @@ from transformers.utils import ModelOutput
 
 try:
     from .compiling_refusion import DECODING_FILES, compiled_backbone, step_functions
-    from .decoder_refusion import AcceptanceProfile, InOrderWatcher, SlotDecoder
+    from .decoder_refusion import AcceptanceProfile, SlotDecoder
     from .executor_refusion import SlotCache, cache_length, execute, slot_cache, static_cache_columns, width_buckets
     from .prices_refusion import ForwardPrices, forget_stale_prices, measured_prices
     from .settings_refusion import (
@@ -68,7 +68,7 @@ try:
     )
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from compiling_refusion import DECODING_FILES, compiled_backbone, step_functions
-    from decoder_refusion import AcceptanceProfile, InOrderWatcher, SlotDecoder
+    from decoder_refusion import AcceptanceProfile, SlotDecoder
     from executor_refusion import SlotCache, cache_length, execute, slot_cache, static_cache_columns, width_buckets
     from prices_refusion import ForwardPrices, forget_stale_prices, measured_prices
     from settings_refusion import (
@@ -80,6 +80,35 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
         resolve_settings,
         stopping_criteria_for,
     )
+
+
+class InOrderWatcher:
+    """Streams, and applies stopping criteria to, the in-order prefix of one answer as it grows. ReFusion commits
+    slots out of reading order; only the contiguous prefix is final text. (Both read the answer to the host.)"""
+
+    def __init__(self, prompt: torch.Tensor, streamer=None, criteria=None):
+        self.prompt, self.streamer, self.criteria, self.emitted = prompt, streamer, criteria, 0
+        if streamer is not None:
+            streamer.put(prompt[None].cpu())
+
+    def advance(self, answer: torch.Tensor, frontier: int) -> int | None:
+        """Take the answer final up to `frontier`; return where a criterion ends it, if one fires."""
+        if frontier <= self.emitted:
+            return None
+        stop = None
+        if self.criteria:
+            for length in range(self.emitted + 1, frontier + 1):
+                if self.criteria(torch.cat([self.prompt, answer[:length]])[None], None).any():
+                    stop = frontier = length
+                    break
+        if self.streamer is not None:
+            self.streamer.put(answer[self.emitted : frontier].cpu())
+        self.emitted = frontier
+        return stop
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
 
 
 @dataclass

@@ -44,7 +44,19 @@ def compiles(monkeypatch):
     return paths
 
 
-def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_path, compiles, caplog):
+def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_path, monkeypatch, caplog):
+    """Packages give the eager tokens, a later decode loads them, a damaged one is compiled again; and on a CPU every
+    package, forward or step, compiles with inductor's `cpp.min_chunk_size` at `CPU_MIN_CHUNK` (a decoding forward's
+    element-wise loops are too small to pay for a second thread), or for forwards at the compile config's own value."""
+    compiles, chunks, compile_package = [], [], torch._inductor.aoti_compile_and_package
+
+    def recorded(exported, package_path, inductor_configs=None):
+        compiles.append(package_path)
+        step = Path(package_path).name.startswith("step-")
+        chunks.append(("step" if step else "forward", (inductor_configs or {}).get("cpp.min_chunk_size")))
+        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
     model = sharpened_model("llama", scale=4.0)
     config = compile_config(freezing=True)
     ids, mask = left_padded(PROMPTS)
@@ -53,6 +65,10 @@ def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_
     assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
     packages = sorted(tmp_path.glob("*.pt2"))
     assert len(packages) == len(compiles) >= 2
+    assert {kind for kind, _ in chunks} == {"forward", "step"}
+    assert {chunk for _, chunk in chunks} == {compiling_refusion.CPU_MIN_CHUNK}
+    own = compile_config(**{"cpp.min_chunk_size": 64})
+    assert [configs["cpp.min_chunk_size"] for configs in SavedForwards(model, own, tmp_path).attempts] == [64]
     files = sorted([*packages, *map(digest_path, packages)])
     assert sorted(tmp_path.iterdir()) == files  # each package with its digest, no partial file
 
@@ -102,13 +118,14 @@ def test_an_attention_change_means_another_backbone_and_other_packages(tmp_path,
     implementation (eager attention is the decoding policy's for compiled forwards on a CPU)."""
     model = sharpened_model("llama", scale=4.0)
     config, shape = compile_config(), (1, 8, 128, 128)
-    saved = dict(SETTINGS, compile_config=config, compile_cache_dir=str(tmp_path))
+    short = dict(SETTINGS, max_new_tokens=4, block_length=4)  # a plan and a verify: few packages
+    saved = dict(short, compile_config=config, compile_cache_dir=str(tmp_path))
     paths = {}
     for implementation in ("sdpa", "eager"):
         model.set_attn_implementation(implementation)
         backbone = compiled_backbone(model, config, tmp_path)
         paths[implementation] = backbone.path(shape)
-        eager = model.generate(PROMPT, **{**SETTINGS, "cache_implementation": None})
+        eager = model.generate(PROMPT, **{**short, "cache_implementation": None})
         count = len(compiles)
         assert torch.equal(model.generate(PROMPT, **saved), eager)
         assert len(compiles) > count  # its own packages, none of the other implementation's loaded
@@ -151,28 +168,8 @@ def test_a_deep_copy_of_the_model_gets_a_backbone_of_its_own(tmp_path, saved):
         assert backbone.model is twin
 
 
-def test_compiled_forwards_and_steps_on_a_cpu_keep_small_loops_on_one_thread(tmp_path, monkeypatch):
-    """On a CPU every package, forward or step, compiles with inductor's `cpp.min_chunk_size` at `CPU_MIN_CHUNK` (a
-    decoding forward's element-wise loops are too small to pay for a second thread), or for forwards at the compile
-    config's own value; forwards compiled by `torch.compile` run under it too. The tokens stay the eager ones."""
-    chunks, compile_package = [], torch._inductor.aoti_compile_and_package
-
-    def recorded(exported, package_path, inductor_configs=None):
-        step = Path(package_path).name.startswith("step-")
-        chunks.append(("step" if step else "forward", (inductor_configs or {}).get("cpp.min_chunk_size")))
-        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
-    model = sharpened_model("llama", scale=4.0)
-    ids, mask = left_padded(PROMPTS)
-    eager = model.generate(ids, attention_mask=mask, **SETTINGS)
-    saved = dict(SETTINGS, compile_config=compile_config(), compile_cache_dir=str(tmp_path))
-    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
-    assert {kind for kind, _ in chunks} == {"forward", "step"}
-    assert {chunk for _, chunk in chunks} == {compiling_refusion.CPU_MIN_CHUNK}
-    own = compile_config(**{"cpp.min_chunk_size": 64})
-    assert [configs["cpp.min_chunk_size"] for configs in SavedForwards(model, own, tmp_path).attempts] == [64]
-
+def test_forwards_compiled_by_torch_compile_on_a_cpu_keep_small_loops_on_one_thread(monkeypatch):
+    """As packages do (`CPU_MIN_CHUNK`, in the test above), forwards compiled by `torch.compile` run under it."""
     seen, compile_function = [], torch.compile
 
     def watched(function, **kwargs):
