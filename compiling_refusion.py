@@ -49,6 +49,7 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
 # packages' keys hash them (`source_digest`), and `write_custom_generate` copies them beside it.
 DECODING_FILES = (
     "settings_refusion.py",
+    "acceptance_refusion.py",
     "decisions_refusion.py",
     "decoder_refusion.py",
     "executor_refusion.py",

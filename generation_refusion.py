@@ -28,6 +28,7 @@ This file is the entry point (`generate`, `refusion_generate`); the work is in i
 - `settings_refusion`: the decoding settings, their checks and the logits processors;
 - `decisions_refusion`: pure tensor functions that decide (choose slots, accept drafts, size forwards, masks);
 - `decoder_refusion`: one row's state machine (`SlotDecoder`: `request()`, `score(logits)`, `advance(values)`);
+- `acceptance_refusion`: what a row's draft checks showed (`AcceptanceProfile`), read by the price schedule;
 - `executor_refusion`: the KV cache (`SlotCache`) and `execute`, which runs all rows' requests as one forward;
 - `compiling_refusion`: compiled forwards and step functions (`compile_config=`, `compile_forwards`);
 - `prices_refusion`: the price schedule (`draft_schedule="price"`);
@@ -53,8 +54,9 @@ from transformers.generation import logits_process as lp
 from transformers.utils import ModelOutput
 
 try:
+    from .acceptance_refusion import AcceptanceProfile
     from .compiling_refusion import DECODING_FILES, compiled_backbone, step_functions
-    from .decoder_refusion import AcceptanceProfile, SlotDecoder
+    from .decoder_refusion import SlotDecoder
     from .executor_refusion import SlotCache, cache_length, execute, slot_cache, static_cache_columns, width_buckets
     from .prices_refusion import ForwardPrices, forget_stale_prices, measured_prices
     from .settings_refusion import (
@@ -67,8 +69,9 @@ try:
         stopping_criteria_for,
     )
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from acceptance_refusion import AcceptanceProfile
     from compiling_refusion import DECODING_FILES, compiled_backbone, step_functions
-    from decoder_refusion import AcceptanceProfile, SlotDecoder
+    from decoder_refusion import SlotDecoder
     from executor_refusion import SlotCache, cache_length, execute, slot_cache, static_cache_columns, width_buckets
     from prices_refusion import ForwardPrices, forget_stale_prices, measured_prices
     from settings_refusion import (

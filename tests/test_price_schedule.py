@@ -17,8 +17,8 @@ from transformers import CompileConfig
 import compiling_refusion
 import executor_refusion
 import prices_refusion
+from acceptance_refusion import AcceptanceProfile
 from decisions_refusion import best_window, expected_tokens, passes
-from decoder_refusion import AcceptanceProfile
 from executor_refusion import SlotCache
 from prices_refusion import ForwardPrices, price_key
 from settings_refusion import check_decoding

@@ -18,6 +18,7 @@ DECODING_FILES = (
     "generation_refusion.py",
     "settings_refusion.py",
     "decisions_refusion.py",
+    "acceptance_refusion.py",
     "decoder_refusion.py",
     "executor_refusion.py",
     "compiling_refusion.py",

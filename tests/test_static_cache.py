@@ -14,6 +14,7 @@ import decoder_refusion
 import executor_refusion
 import kernels_refusion
 import prices_refusion
+from acceptance_refusion import AcceptanceProfile
 from compiling_refusion import compile_forwards, compiled_steps, warm_up_steps
 from decisions_refusion import (
     NO_GROUP,
@@ -28,7 +29,7 @@ from decisions_refusion import (
     judge_verify,
     static_mask,
 )
-from decoder_refusion import AcceptanceProfile, Infilling, Phase, SlotDecoder
+from decoder_refusion import Infilling, Phase, SlotDecoder
 from executor_refusion import (
     CACHE_LENGTH_MULTIPLE,
     LOGITS_IN_GRAPH_WIDTH,
