@@ -46,9 +46,11 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
 
 
 # The decoding's modules besides its entry point (`generation_refusion`, which runs none of the compiled code): saved
-# packages' keys hash them (`source_digest`), and `write_custom_generate` copies them beside it.
+# packages' keys hash them (`source_digest`), and `write_custom_generate` copies them beside it. (The draft adapter's
+# hooks run inside the compiled forwards.)
 DECODING_FILES = (
     "settings_refusion.py",
+    "adapter_refusion.py",
     "acceptance_refusion.py",
     "decisions_refusion.py",
     "decoder_refusion.py",

@@ -11,8 +11,10 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 try:
+    from .adapter_refusion import DraftAdapterSettings
     from .settings_refusion import SUPPORTED_BACKBONES
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from adapter_refusion import DraftAdapterSettings
     from settings_refusion import SUPPORTED_BACKBONES
 
 DEFAULT_AUTO_MAP = {
@@ -35,6 +37,9 @@ class RefusionConfig(PreTrainedConfig):
             Smallest noise level of the masked-diffusion loss: `p = (1 - eps) * t + eps`.
         mdm_loss_weight (`float`, defaults to 1.0):
             Weight of the masked-diffusion term in the hybrid loss: `ar_loss + mdm_loss_weight * mdm_loss`.
+        draft_adapter (`dict`, *optional*):
+            A draft-only adapter's `rank`, `alpha` and `target_modules` (see `adapter_refusion`): low-rank deltas
+            that apply at `[MASK]` tokens only. None (the default): no adapter.
     """
 
     model_type = "refusion"
@@ -45,6 +50,7 @@ class RefusionConfig(PreTrainedConfig):
     train_slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     mask_eps: float = 1e-3
     mdm_loss_weight: float = 1.0
+    draft_adapter: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -76,6 +82,10 @@ class RefusionConfig(PreTrainedConfig):
             raise ValueError(f"mask_eps must lie in (0, 1), got {self.mask_eps}.")
         if not self.mdm_loss_weight > 0.0:
             raise ValueError(f"mdm_loss_weight must be positive, got {self.mdm_loss_weight}.")
+        if self.draft_adapter is not None:
+            if self.mask_token_id is None:
+                raise ValueError("draft_adapter applies at the [MASK] token: set mask_token_id too.")
+            self.draft_adapter = DraftAdapterSettings.from_dict(self.draft_adapter).to_dict()
 
 
 def _unsupported_message(model_type: str) -> str:

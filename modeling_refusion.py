@@ -23,12 +23,14 @@ from transformers import AutoModel, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 try:
+    from .adapter_refusion import DraftAdapterSettings, add_draft_adapter
     from .configuration_refusion import RefusionConfig
     from .generation_refusion import RefusionGenerateOutput, write_custom_generate
     from .generation_refusion import generate as slot_generate
     from .kernels_refusion import prepack_linears, unpack_linears, use_grouped_attention
     from .settings_refusion import check_model, documents_settings
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
+    from adapter_refusion import DraftAdapterSettings, add_draft_adapter
     from configuration_refusion import RefusionConfig
     from generation_refusion import RefusionGenerateOutput, write_custom_generate
     from generation_refusion import generate as slot_generate
@@ -141,6 +143,8 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         self.vocab_size = text_config.vocab_size
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self._no_split_modules = self.model._no_split_modules
+        if config.draft_adapter is not None:
+            add_draft_adapter(self.model, config.mask_token_id, DraftAdapterSettings.from_dict(config.draft_adapter))
         self.post_init()
 
     def forward(
@@ -217,6 +221,26 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def add_draft_adapter(self, rank: int = 16, alpha: float = 32.0, target_modules: list[str] | None = None) -> None:
+        """Give the model a draft-only adapter (`adapter_refusion.DraftAdapter`): low-rank deltas on the decoder
+        layers' `target_modules` (by default every projection of attention and MLP) that apply at `[MASK]` tokens
+        only, so that clean tokens, and with them every causal prediction that verifies a draft, stay the base
+        model's bit for bit. A new adapter's deltas are zero. The settings are recorded in `config.draft_adapter`,
+        and the deltas are saved and loaded with the other weights."""
+        if self.config.mask_token_id is None:
+            raise ValueError("A draft adapter applies at the [MASK] token: the config has no mask_token_id.")
+        settings = DraftAdapterSettings.from_dict(
+            {"rank": rank, "alpha": alpha, **({"target_modules": target_modules} if target_modules else {})}
+        )
+        parameter = next(self.parameters())
+        add_draft_adapter(self.model, self.config.mask_token_id, settings).to(parameter.device, parameter.dtype)
+        self.config.draft_adapter = settings.to_dict()
+
+    @property
+    def draft_adapter(self):
+        """The model's draft-only adapter (`add_draft_adapter`), or None."""
+        return getattr(self.model, "draft_adapter", None)
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, plus `custom_generate/generate.py` (a copy of `generation_refusion.py`)

@@ -131,6 +131,7 @@ def convert_to_refusion(
 
     attention = model.config._attn_implementation  # read before the wrapper's init adjusts the shared config
     clean_backbone_config(model)
+    draft_adapter = kwargs.pop("draft_adapter", None)  # made below, over the base's own modules
     config = RefusionConfig(text_config=model.config, mask_token_id=mask_token_id, **kwargs)
     with torch.device("meta"):
         refusion = RefusionForCausalLM(config)
@@ -139,6 +140,8 @@ def convert_to_refusion(
     if attention not in SUPPORTED_ATTENTION:
         logger.warning("attn_implementation=%r misreads out-of-order position ids; ReFusion uses 'sdpa'.", attention)
         refusion.set_attn_implementation("sdpa")
+    if draft_adapter is not None:
+        refusion.add_draft_adapter(**draft_adapter)
     refusion.generation_config = refusion_generation_config(
         model.generation_config, mask_token_id, tokenizer, decoding, do_sample
     )
@@ -186,7 +189,13 @@ def refusion_generation_config(
 
 def to_native(model: RefusionForCausalLM) -> PreTrainedModel:
     """The backbone's own causal LM class over the same modules (no copy), with the mask token recorded in its
-    config and ReFusion's decoding defaults in its generation config."""
+    config and ReFusion's decoding defaults in its generation config. A model with a draft adapter has none: the
+    backbone's class has no place for the adapter, and would decode without it."""
+    if model.config.draft_adapter is not None:
+        raise ValueError(
+            "This model has a draft adapter (config.draft_adapter), which only ReFusion's own class applies: save it "
+            "in the 'refusion' format."
+        )
     text_config = copy.deepcopy(model.config.text_config)
     text_config.mask_token_id = model.config.mask_token_id
     with torch.device("meta"):

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DECODING_FILES = (
     "generation_refusion.py",
     "settings_refusion.py",
+    "adapter_refusion.py",
     "decisions_refusion.py",
     "acceptance_refusion.py",
     "decoder_refusion.py",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_batching import PROMPTS, left_padded
+from test_draft_adapter import with_adapter
 from test_generation import PROMPT, sharpened_model
 from test_static_cache import causal_forward
 from transformers import CompileConfig
@@ -57,7 +58,7 @@ def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_
         return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
-    model = sharpened_model("llama", scale=4.0)
+    model = with_adapter(sharpened_model("llama", scale=4.0))  # a draft adapter's deltas go into the packages too
     config = compile_config(freezing=True)
     ids, mask = left_padded(PROMPTS)
     eager = model.generate(ids, attention_mask=mask, **SETTINGS)
