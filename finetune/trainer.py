@@ -2,6 +2,7 @@
 subclasses, the checkpoint a run resumes from, and the model (an autoregressive checkpoint converted on the fly, or a
 ReFusion one) with its LoRA config."""
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -88,6 +89,24 @@ class RefusionArguments:
             "run's adapter/) instead of a fresh one; needs --use_peft, and the adapter's own LoRA settings apply."
         },
     )
+    draft_adapter_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "Train a draft-only adapter of this rank instead (adapter_refusion): low-rank deltas that apply at "
+            "[MASK] tokens only, with every base weight frozen, so the model's causal predictions (which verify every "
+            "draft) stay the base model's bit for bit. A model that has one continues it (default: off)."
+        },
+    )
+    draft_adapter_alpha: float | None = field(
+        default=None, metadata={"help": "The draft adapter's deltas are scaled by alpha / rank (default: 2 * rank)."}
+    )
+    draft_adapter_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Linear layers of each decoder layer the draft adapter adapts (default: q_proj k_proj v_proj "
+            "o_proj gate_proj up_proj down_proj)."
+        },
+    )
     gguf_file: str | None = field(
         default=None, metadata={"help": "GGUF file inside --model_name_or_path to load (dequantized) as the base."}
     )
@@ -148,9 +167,19 @@ def check_arguments(
         raise UsageError("--init_adapter continues a LoRA adapter: add --use_peft.")
     if training_args.packing or training_args.padding_free:
         raise UsageError("--packing and --padding_free are not supported: each row is laid out as its own slots.")
-    if refusion_args.soft_target_weight and not model_args.use_peft:
+    draft_only = refusion_args.draft_adapter_rank is not None
+    if draft_only and (model_args.use_peft or refusion_args.init_adapter is not None):
+        raise UsageError("--draft_adapter_rank trains the draft adapter alone: drop --use_peft and --init_adapter.")
+    if draft_only and refusion_args.draft_adapter_rank < 1:
+        raise UsageError(f"--draft_adapter_rank must be a positive integer, got {refusion_args.draft_adapter_rank}.")
+    if draft_only and refusion_args.format == "native":
+        raise UsageError("A draft adapter is applied by ReFusion's own class only: drop --format native.")
+    if not draft_only and (refusion_args.draft_adapter_alpha, refusion_args.draft_adapter_modules) != (None, None):
+        raise UsageError("--draft_adapter_alpha and --draft_adapter_modules go with --draft_adapter_rank.")
+    if refusion_args.soft_target_weight and not (model_args.use_peft or draft_only):
         raise UsageError(
-            "--soft_target_weight takes its targets from the model with its adapter disabled: add --use_peft."
+            "--soft_target_weight takes its targets from the model with its adapter disabled: add --use_peft "
+            "(or train a draft adapter: --draft_adapter_rank)."
         )
     if refusion_args.soft_target_weight < 0:
         raise UsageError(f"--soft_target_weight must be >= 0, got {refusion_args.soft_target_weight}.")
@@ -225,8 +254,10 @@ class RefusionSFTTrainer(SFTTrainer):
         finally:
             if model_init_kwargs is not None:
                 args.model_init_kwargs = model_init_kwargs
-        if soft_target_weight and not isinstance(self.model, PeftModel):
-            raise UsageError("--soft_target_weight needs a LoRA model: its targets come with the adapter disabled.")
+        if soft_target_weight and not (isinstance(self.model, PeftModel) or draft_adapter_of(self.model) is not None):
+            raise UsageError(
+                "--soft_target_weight needs a LoRA model or a draft adapter: its targets come without the adapter."
+            )
         self.soft_target_weight = soft_target_weight
         self.loss_part_names = ("ar_loss", "mdm_loss") + (("soft_target_loss",) if soft_target_weight else ())
         self._loss_parts: dict[str, torch.Tensor] = {}
@@ -241,6 +272,11 @@ class RefusionSFTTrainer(SFTTrainer):
         applied when present) plus the soft-target term when it is on.
         """
         mode = "train" if model.training else "eval"
+        # The targets first: a draft adapter's gate is its backbone's latest call's, which a backward that recomputes
+        # activations reads again.
+        target = (
+            converted_model_log_probs(self.accelerator.unwrap_model(model), inputs) if self.soft_target_weight else None
+        )
         outputs = model(
             input_ids=inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
@@ -255,7 +291,6 @@ class RefusionSFTTrainer(SFTTrainer):
         )
         parts = [ar_loss, mdm_loss]
         if self.soft_target_weight:
-            target = converted_model_log_probs(self.accelerator.unwrap_model(model), inputs)
             soft_loss = refusion_soft_target_loss(
                 outputs.logits, inputs["is_masked"], target, *fields[1:], token_weight=token_weight
             )
@@ -284,10 +319,16 @@ class RefusionSFTTrainer(SFTTrainer):
         super().log(logs, start_time)
 
 
+def draft_adapter_of(model):
+    """The draft adapter of a ReFusion model (unwrapped from DDP and the like), or None."""
+    return getattr(getattr(model, "module", model), "draft_adapter", None)
+
+
 @torch.no_grad()
-def converted_model_log_probs(model: PeftModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def converted_model_log_probs(model: PeftModel | RefusionForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Log-probabilities (`[masked count, vocab]`, in the order of `is_masked.nonzero()`) that the converted model,
-    i.e. `model` with its adapter disabled, gives to the token at each `[MASK]` position given the true prefix.
+    i.e. `model` with its LoRA adapter disabled, gives to the token at each `[MASK]` position given the true prefix.
+    A model with a draft adapter is the converted model already wherever no `[MASK]` is, as here.
 
     One causal forward over the plain sequence in reading order (each `[MASK]` put back to its label, every token
     at its position id); the distribution for position `q` is read from the output at `q - 1`.
@@ -299,8 +340,9 @@ def converted_model_log_probs(model: PeftModel, batch: dict[str, torch.Tensor]) 
     reading_index = torch.where(real, position_ids, storage)
     restored = torch.where(is_masked, batch["labels"], input_ids)
     plain = torch.empty_like(input_ids).scatter_(1, reading_index, restored)
-    network = model.get_base_model()
-    with model.disable_adapter():
+    lora = isinstance(model, PeftModel)
+    network = model.get_base_model() if lora else model
+    with model.disable_adapter() if lora else contextlib.nullcontext():
         hidden = network.model(
             input_ids=plain, attention_mask=batch["attention_mask"], position_ids=storage, use_cache=False
         ).last_hidden_state
@@ -347,6 +389,7 @@ def load_model(
 
     if refusion_args.gguf_file is None and is_refusion_checkpoint(path, revision):
         model = RefusionForCausalLM.from_pretrained(path, **load_kwargs)
+        prepare_draft_adapter(model, refusion_args)
         # An explicit trust_remote_code: the config names our code, and without an answer transformers would ask [y/N]
         # on a terminal (or wait 15 s on an open pipe) before loading this ordinary tokenizer.
         tokenizer = AutoTokenizer.from_pretrained(
@@ -365,6 +408,7 @@ def load_model(
     model, tokenizer = convert_to_refusion(
         base, tokenizer, refusion_args.mask_token, mask_init=refusion_args.mask_init, **overrides
     )
+    prepare_draft_adapter(model, refusion_args)
     if quantization_config is not None:
         # The wrapper shares the quantized modules, so it must be seen as quantized by PEFT and the Trainer. (A GGUF
         # base is fully dequantized: its GGUF marker is not carried over, so the model stays serializable.)
@@ -372,6 +416,26 @@ def load_model(
             if hasattr(base, name):
                 setattr(model, name, getattr(base, name))
     return model, tokenizer
+
+
+def prepare_draft_adapter(model: RefusionForCausalLM, refusion_args: RefusionArguments) -> None:
+    """With `--draft_adapter_rank`: give the model a draft adapter of those settings (or check that the one it has
+    matches them) and leave only the adapter's deltas trainable."""
+    rank = refusion_args.draft_adapter_rank
+    if rank is None:
+        return
+    alpha = refusion_args.draft_adapter_alpha if refusion_args.draft_adapter_alpha is not None else 2.0 * rank
+    if model.draft_adapter is None:
+        model.add_draft_adapter(rank, alpha, refusion_args.draft_adapter_modules)
+    else:
+        wanted = {"rank": rank, "alpha": float(alpha)}
+        if refusion_args.draft_adapter_modules is not None:
+            wanted["target_modules"] = list(refusion_args.draft_adapter_modules)
+        has = {key: model.config.draft_adapter[key] for key in wanted}
+        if has != wanted:
+            raise UsageError(f"The model's draft adapter has {has}, not the {wanted} the options ask for.")
+    model.requires_grad_(False)
+    model.draft_adapter.requires_grad_(True)
 
 
 def lora_config(model_args: ModelConfig, mask_token_id: int) -> LoraConfig | None:

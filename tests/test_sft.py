@@ -115,8 +115,9 @@ def write_data(folder: Path, row_format: str, layout: str) -> Path:
 
 
 @torch.no_grad()
-def hybrid_loss(model: RefusionForCausalLM, tokenizer, data: Path, draws: int = 6) -> float:
-    """Mean hybrid loss over the whole set under fixed masking draws (the same for every model compared)."""
+def hybrid_loss(model: RefusionForCausalLM, tokenizer, data: Path, draws: int = 6, part: str = "loss") -> float:
+    """Mean hybrid loss (or its `part`: "ar_loss", "mdm_loss") over the whole set under fixed masking draws (the same
+    for every model compared)."""
     examples = list(prepare_dataset(load_rows(data), tokenizer, max_length=None).dataset)
     collator = HybridObjectiveCollator(model.config.mask_token_id, tokenizer.pad_token_id, slot_sizes=(4,), seed=123)
     model.eval()
@@ -124,7 +125,7 @@ def hybrid_loss(model: RefusionForCausalLM, tokenizer, data: Path, draws: int = 
     for _ in range(draws):
         batch = collator(examples)
         batch.pop("slot_size")
-        losses.append(model(**batch).loss.item())
+        losses.append(model(**batch)[part].item())
     return sum(losses) / len(losses)
 
 
