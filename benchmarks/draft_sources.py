@@ -1,6 +1,7 @@
 """How good are the drafts a `[MASK]` query makes, by how far ahead it drafts: what extra queries could buy.
 
     python -m benchmarks.draft_sources [--prompts 32] [--max_new_tokens 64] [--max_distance 16] [--dtype float32]
+        [--prompt_set everyday] [--model DIR]
 
 The shipped model (SmolLM2 with the shipped adapter) answers each prompt (the held-out ones, or with `--prompt_set
 everyday` the everyday ones) by its own greedy AR (`generate()`, token by token). Then, in one forward per prompt,
@@ -31,7 +32,7 @@ from benchmarks.settings import shipped
 from finetune.chat import prompt_token_ids
 from recipe.decoding import decode
 from recipe.evaluate import benchmark_prompts
-from recipe.model import decoding_dtype, load_base, with_adapter
+from recipe.model import decoding_dtype, load_base, load_refusion, with_adapter
 from recipe.prompts import PROMPT_SETS
 
 
@@ -90,11 +91,20 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--max_distance", type=int, default=16, help="the farthest draft, in tokens ahead")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a saved ReFusion folder (e.g. a finetune.sft output) instead of the shipped model",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     settings = shipped()
-    base, tokenizer = load_base()
-    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
+    if args.model is None:
+        base, tokenizer = load_base()
+        model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
+    else:
+        model, refusion_tokenizer = load_refusion(args.model)
+        tokenizer = refusion_tokenizer
     model = model.to(args.device, decoding_dtype(args.dtype, args.device))
     prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts, args.prompt_set)])
     answers = decode(model, refusion_tokenizer, prompts, args.max_new_tokens, autoregressive=True,
@@ -103,7 +113,7 @@ def main() -> None:
               for prompt, answer in zip(prompts, answers) if answer]  # fmt: skip
     merged = {name: torch.cat([check[name] for check in checks]) for name in checks[0]}
 
-    print(f"{len(checks)} {args.prompt_set} prompts answered by the shipped model's own AR "
+    print(f"{len(checks)} {args.prompt_set} prompts answered by {args.model or 'the shipped model'}'s own AR "
           f"({sum(map(len, answers))} tokens, {model.dtype}); token_threshold {settings['token_threshold']}, "
           f"slot_threshold {settings['slot_threshold']}\n")  # fmt: skip
     print("| distance | drafts | accepted | AR's token | confident | confident and AR's token |")

@@ -54,6 +54,8 @@ CALLS = (
     "decoder, compiled",
     "causal, compiled",
     "decoder, static compiled",
+    "decoder, draft adapter",
+    "decoder, draft adapter, static compiled",
 )
 
 
@@ -241,7 +243,12 @@ def markdown(results: dict) -> str:
     lines = [
         f"{results['machine']}, {results['threads']} threads, torch {results['torch']}; cache of "
         f"{results['cache']} tokens, median of {results['repeats']} forwards. Read bandwidth "
-        f"{results['bandwidth_gb_s']:.1f} GB/s.",
+        f"{results['bandwidth_gb_s']:.1f} GB/s."
+        + (
+            f" The draft adapter's rows: rank {results['draft_adapter']} on every projection."
+            if results.get("draft_adapter")
+            else ""
+        ),
         "",
         "| dtype | call | " + " | ".join(f"{w} q" for w in widths) + " | memory floor |",
         "| --- | --- | " + " | ".join("---:" for _ in widths) + " | ---: |",
@@ -330,6 +337,14 @@ def main() -> None:
         "cache at its width buckets, and transformers' compiled one-query AR step (compiles a few graphs)",
     )
     parser.add_argument("--dtype", default=None, help="of the decode mix; default: bfloat16 where native, else float32")
+    parser.add_argument(
+        "--draft_adapter",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="also time the decoder's calls (eager, and static compiled with --static_compiled) on a copy with a "
+        "draft-only adapter of this rank on every projection (adapter_refusion): what the adapter costs a forward",
+    )
     parser.add_argument("--output_dir", required=True, help="where forward_cost.json, .md and .png go (overwritten)")
     args = parser.parse_args()
     device, mix_dtype = torch.device(args.device), decoding_dtype(args.dtype, args.device)
@@ -353,6 +368,7 @@ def main() -> None:
         "mix_dtype": str(mix_dtype).removeprefix("torch."),
         "mix": {str(width): count for width, count in sorted(mix.items())},
         "compile": args.compile,
+        "draft_adapter": args.draft_adapter,
         "dtypes": {},
     }
     for name in args.dtypes:
@@ -395,6 +411,16 @@ def main() -> None:
             entry["static compiled"] = dict(
                 ar_ms=ar_ms, refusion_mean_ms=refusion_mean, price_ratio=refusion_mean / ar_ms
             )
+        if args.draft_adapter:
+            adapted = copy.deepcopy(refusion)
+            adapted.add_draft_adapter(rank=args.draft_adapter)
+            decoder, _ = forward_times(adapted, args.cache, args.widths, args.repeats, decoder_forward)
+            entry["decoder, draft adapter"] = {str(w): t for w, t in decoder.items()}
+            if args.static_compiled:
+                decoder, _ = static_compiled_times(adapted, ar, args.cache, args.widths, args.repeats,
+                                                   compile_mode(device))  # fmt: skip
+                entry["decoder, draft adapter, static compiled"] = {str(w): t for w, t in decoder.items()}
+            del adapted
         results["dtypes"][name] = entry
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(entry)}", flush=True)
         del refusion, ar

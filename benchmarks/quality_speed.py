@@ -48,7 +48,14 @@ from recipe.decoding import (
     decode_compiled_ar,
 )
 from recipe.evaluate import Evaluation, fastest, speed
-from recipe.model import SHIPPED_ADAPTER, decoding_dtype, load_base, prepare_for_decoding, with_adapter
+from recipe.model import (
+    SHIPPED_ADAPTER,
+    decoding_dtype,
+    load_base,
+    load_refusion,
+    prepare_for_decoding,
+    with_adapter,
+)
 from recipe.prompts import PROMPT_SETS
 from recipe.report import cell, write_results
 from settings_refusion import DECODING_FIELDS
@@ -281,6 +288,9 @@ def main() -> None:
                         help="the recipe's held-out prompts, or the everyday ones (benchmarks/data)")  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--adapter", default=str(SHIPPED_ADAPTER))
+    parser.add_argument(
+        "--model", default=None, help="a saved ReFusion folder (e.g. a finetune.sft output) in place of --adapter"
+    )
     parser.add_argument("--checkpoints", nargs="*", default=[], help="training checkpoints (adapters) to track")
     parser.add_argument("--settings", nargs="*", default=list(GRID), help=f"names from the grid: {list(GRID)}")
     parser.add_argument("--batch8", action="store_true", help="also time AR and the chosen setting at batch 8")
@@ -320,7 +330,10 @@ def main() -> None:
 
     dtype = decoding_dtype(args.dtype, args.device)
     base, tokenizer = load_base()
-    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer, args.adapter)  # merged in float32, then cast
+    if args.model is None:
+        model, refusion_tokenizer = with_adapter(base.eval(), tokenizer, args.adapter)  # merged in float32, then cast
+    else:
+        model, refusion_tokenizer = load_refusion(args.model)
     eager_models = {  # the teacher decodes in `dtype`
         other: copy.deepcopy(base).to(args.device, other)
         for other in map(decoding_dtype, args.ar_dtypes)

@@ -23,6 +23,7 @@ from finetune.convert import convert_to_refusion, load_causal_lm
 from finetune.smollm2 import SMOLLM2_GGUF, fetch_smollm2
 from kernels_refusion import prepack_linears, use_grouped_attention
 from modeling_refusion import RefusionForCausalLM
+from settings_refusion import check_decoding
 
 SHIPPED_ADAPTER = Path(__file__).resolve().parent / "artifacts" / "smollm2" / "adapter"
 RECIPE_CONFIG = Path(__file__).resolve().parent / "smollm2.yaml"
@@ -131,3 +132,15 @@ def with_adapter(
     if not isinstance(merged, RefusionForCausalLM):
         raise TypeError(f"Merging the adapter gave a {type(merged).__name__}, not a RefusionForCausalLM.")
     return merged.eval(), refusion_tokenizer
+
+
+def load_refusion(
+    path: str | Path, decoding: dict | None = None
+) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
+    """A saved ReFusion folder (e.g. what `finetune.sft` wrote for a draft-only adapter) in float32 with `decoding`
+    (default: `shipped_decoding()`) as its generation defaults, so that it decodes as the shipped model is measured,
+    and its tokenizer."""
+    model = RefusionForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name, value in check_decoding(shipped_decoding() if decoding is None else decoding).items():
+        setattr(model.generation_config, name, value)
+    return model, AutoTokenizer.from_pretrained(path)
