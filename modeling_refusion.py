@@ -287,8 +287,8 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         `do_sample` and the sampling warpers, `repetition_penalty`, `suppress_tokens`, `min_new_tokens` and the other
         logits processors, `logits_processor`, `stopping_criteria`, `stop_strings`, `streamer`, `use_cache`,
         `cache_implementation` ("dynamic" or "static"), `compile_config` and `disable_compile` (compiled forwards over
-        the static cache, by transformers' rule), `num_return_sequences`, `return_dict_in_generate`) and the decoding
-        parameters below. Defaults come from
+        the static cache: on any device when a `compile_config` is given, on CUDA by default),
+        `num_return_sequences`, `return_dict_in_generate`) and the decoding parameters below. Defaults come from
         `generation_config` (the model's by default); an option passed here wins, and a configured option that does
         not apply to the chosen `infill_mode` is set aside. An option slot decoding cannot apply (beam search,
         assisted decoding, ...) raises a `ValueError` naming it. Returns prompt + answer, with `pad_token_id` after

@@ -348,8 +348,7 @@ def resolve_settings(
         if compile_config is None:
             raise ValueError(
                 f"compile_cache_dir={str(compile_cache_dir)!r} keeps compiled forwards, but this decode compiles none: "
-                "pass cache_implementation='static' and a compile_config (off CUDA with "
-                "compile_config._compile_all_devices = True), without disable_compile."
+                "pass cache_implementation='static' and a compile_config, without disable_compile."
             )
         compile_cache_dir = str(compile_cache_dir)
 
@@ -484,15 +483,16 @@ def checked_max_cache_len(config: GenerationConfig, cache_implementation: str) -
 
 
 def compile_config_for(model, config: GenerationConfig, cache_implementation: str) -> CompileConfig | None:
-    """How the forwards are compiled, by transformers' rule: over a static cache, unless `disable_compile`, on CUDA
-    (or XPU), and on other devices when the config's `compile_config` sets `_compile_all_devices`. None: eager."""
+    """How the forwards are compiled: over a static cache, unless `disable_compile`, with the config's
+    `compile_config` on any device where one is given (the argument or the generation config's), and on CUDA (or
+    XPU) with transformers' default where none is. None: eager. (transformers' own `generate()` compiles off CUDA only
+    when a private flag of the compile config is set; asking with a compile config is enough here.)"""
     if cache_implementation != "static" or config.disable_compile or config.use_cache is False:
         return None
-    compile_config = config.compile_config
+    if config.compile_config is not None:
+        return config.compile_config
     if model.device.type in ("cuda", "xpu"):
-        return compile_config if compile_config is not None else CompileConfig(fullgraph=True, dynamic=False)
-    if compile_config is not None and getattr(compile_config, "_compile_all_devices", False):
-        return compile_config
+        return CompileConfig(fullgraph=True, dynamic=False)
     return None
 
 

@@ -261,15 +261,14 @@ def compiled_refusion(
     device: str | torch.device, mode: str | None = None, freeze: bool = False, compile_cache_dir: str | None = None
 ) -> dict:
     """The `generate()` options that decode ReFusion with compiled forwards over its static cache on `device`, in
-    `mode` (default: `compile_mode`): transformers' `cache_implementation="static"` and a `compile_config` that
-    compiles on every device (transformers, and ReFusion's decoder with it, compile only on CUDA otherwise). With
+    `mode` (default: `compile_mode`): transformers' `cache_implementation="static"` and a `compile_config` (given, it
+    compiles on every device; `settings_refusion.compile_config_for`). With
     `freeze`, inductor freezes the weights into the graphs (`options={"freezing": True}`, which ReFusion's decoder
     applies itself): faster forwards on a CPU, but a long compile (minutes; on the AMX CPU inductor's disk cache did
     not keep such graphs, on the AVX2 CPU it did). With `compile_cache_dir` the forwards are compiled ahead of time
     and kept in that folder (AOTInductor packages), which a later process loads in seconds."""
     options = {"freezing": True} if freeze else None
     config = CompileConfig(fullgraph=True, dynamic=False, mode=mode or compile_mode(device), options=options)
-    config._compile_all_devices = True
     saved = {"compile_cache_dir": compile_cache_dir} if compile_cache_dir is not None else {}
     return {"cache_implementation": "static", "compile_config": config, **saved}
 
@@ -382,7 +381,7 @@ def compiled_ar_settings(
     """The `decode` options of `decode_compiled_ar`: token by token, static cache (`max_cache_len`, default one long
     enough for every prompt of `prompts`), compiled in `mode` on every device, no forward hooks."""
     config = CompileConfig(mode=mode or compile_mode(model.device))
-    config._compile_all_devices = True
+    config._compile_all_devices = True  # transformers' own generate() compiles off CUDA only with this private flag
     return dict(
         batch_size=batch_size,
         autoregressive=True,

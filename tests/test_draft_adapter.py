@@ -141,7 +141,6 @@ def test_compiled_and_exported_backbones_apply_the_adapter_as_eager_does():
 def test_a_compiled_decode_with_an_adapter_gives_the_eager_tokens():
     model = with_adapter(sharpened_model("llama", scale=4.0))
     config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    config._compile_all_devices = True
     settings = dict(SETTINGS["fast"], max_new_tokens=8, eos_token_id=[], pad_token_id=0, cache_implementation="static")
     prompt = torch.tensor([PROMPTS[0]])
     assert torch.equal(model.generate(prompt, compile_config=config, **settings), model.generate(prompt, **settings))

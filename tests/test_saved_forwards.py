@@ -27,9 +27,7 @@ SETTINGS = dict(
 
 
 def compile_config(**options) -> CompileConfig:
-    config = CompileConfig(fullgraph=True, dynamic=False, options=options or None)
-    config._compile_all_devices = True
-    return config
+    return CompileConfig(fullgraph=True, dynamic=False, options=options or None)
 
 
 @pytest.fixture

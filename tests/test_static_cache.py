@@ -233,13 +233,11 @@ def test_widths_pad_to_buckets_only_when_compiled_and_priced_drafts_get_narrow_o
     assert pad_width(WIDTH_BUCKETS[-1] + 1, WIDTH_BUCKETS) == WIDTH_BUCKETS[-1] + 1  # a prompt: runs eagerly as it is
 
 
-def compile_config(all_devices: bool = True) -> CompileConfig:
-    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    config._compile_all_devices = all_devices
-    return config
+def compile_config() -> CompileConfig:
+    return CompileConfig(fullgraph=True, dynamic=False, mode="default")
 
 
-def test_forwards_compile_by_transformers_rule():
+def test_forwards_compile_where_a_compile_config_is_given_over_the_static_cache():
     model = sharpened_model("llama", scale=4.0)
 
     def chosen(**options):
@@ -248,8 +246,10 @@ def test_forwards_compile_by_transformers_rule():
         return compile_config_for(model, config, config.cache_implementation or "dynamic")
 
     assert chosen(cache_implementation="static") is None  # a CPU compiles only when asked to
-    assert chosen(cache_implementation="static", compile_config=compile_config(False)) is None
     assert chosen(cache_implementation="static", compile_config=compile_config()).mode == "default"
+    config = compile_config()
+    config._compile_all_devices = False  # transformers' private flag plays no part
+    assert chosen(cache_implementation="static", compile_config=config) is config
     assert chosen(cache_implementation="static", compile_config=compile_config(), disable_compile=True) is None
     assert chosen(compile_config=compile_config()) is None  # compiled forwards need the static cache
     with pytest.raises(ValueError, match="cache_implementation.*'offloaded'"):
@@ -680,7 +680,6 @@ def test_compiled_decodes_with_frozen_weights_give_the_eager_tokens_and_follow_a
     the graphs compiled before would decode with the old weight, and the next decode compiles afresh instead."""
     model = sharpened_model("llama", scale=4.0)
     frozen = CompileConfig(fullgraph=True, dynamic=False, mode="default", options={"freezing": True})
-    frozen._compile_all_devices = True
     settings = dict(
         max_new_tokens=12, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[],
         pad_token_id=0, cache_implementation="static", compile_config=frozen,
@@ -734,7 +733,6 @@ def test_frozen_graphs_of_narrow_widths_end_with_the_output_layer():
     layer; unfrozen graphs always return hidden states. `run_model` gives the eager logits either way."""
     model = sharpened_model("qwen2", scale=4.0)
     frozen = CompileConfig(fullgraph=True, dynamic=False, mode="default", options={"freezing": True})
-    frozen._compile_all_devices = True
     text = model.config.get_text_config(decoder=True)
     vocab, hidden = text.vocab_size, text.hidden_size
     assert vocab != hidden
