@@ -112,6 +112,33 @@ def test_decoding_with_an_adapter_is_exact_and_follows_the_adapter(pair, name):
     assert not torch.equal(static, base.generate(ids, attention_mask=mask, **settings))
 
 
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_no_clean_token_attends_to_a_mask_query_so_every_check_is_the_base_models(pair, name):
+    """Together with the forward's bit-exact clean rows: in every forward of a decode, a clean token (prompt, fresh
+    answer token, a draft to check) sees no [MASK] query, so its hidden states, KV and logits are the base model's."""
+    _, model = pair
+    mask_token_id, counts = model.config.mask_token_id, dict(mixed=0, clean_sees_new=0, violations=0)
+
+    def check(backbone, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        assert mask.dim() == 4  # the decoder always passes its storage-order mask
+        new_keys = mask[:, 0, :, mask.shape[-1] - ids.shape[1] :] == 0  # [batch, query, new key]: visible
+        is_mask = ids == mask_token_id
+        clean_rows = ~is_mask[:, :, None]
+        counts["mixed"] += int(is_mask.any() and (~is_mask).any())
+        counts["clean_sees_new"] += int((new_keys & clean_rows & ~is_mask[:, None, :]).sum())
+        counts["violations"] += int((new_keys & clean_rows & is_mask[:, None, :]).sum())
+
+    ids, mask = left_padded(PROMPTS)
+    hook = model.model.register_forward_pre_hook(check, with_kwargs=True)
+    try:
+        model.generate(ids, attention_mask=mask, **SETTINGS[name], eos_token_id=[], pad_token_id=0)
+    finally:
+        hook.remove()
+    assert counts["mixed"] > 0 and counts["clean_sees_new"] > 0  # forwards mixed [MASK] and clean queries
+    assert counts["violations"] == 0
+
+
 @torch.no_grad()
 def test_compiled_and_exported_backbones_apply_the_adapter_as_eager_does():
     base = sharpened_model("qwen3", scale=4.0)
