@@ -143,4 +143,5 @@ def load_refusion(
     model = RefusionForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for name, value in check_decoding(shipped_decoding() if decoding is None else decoding).items():
         setattr(model.generation_config, name, value)
-    return model, AutoTokenizer.from_pretrained(path)
+    # An explicit answer: the folder's config names ReFusion's code, and unasked transformers would wait for [y/N].
+    return model, AutoTokenizer.from_pretrained(path, trust_remote_code=False)
