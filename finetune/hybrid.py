@@ -10,6 +10,10 @@ with every token keeping its reading-order index as position id, so RoPE sees tr
 follows storage order. Labels are aligned with the inputs (the model does not shift them): inside a clean slot a
 token is labelled with the next token of that slot, a ``[MASK]`` is labelled with the original token it hides.
 
+Which slots are masked (`MASKED_SLOTS`): ``random`` (the paper's) masks each slot with probability ``p``; ``tail``
+masks the last ``ceil(p * slots)`` slots of the response (at least one), so that every ``[MASK]`` sees only text
+before it in reading order, as when a decode drafts past the text it has committed.
+
 Slot masking (`SLOT_MASKINGS`): ``whole`` (the paper's) hides every token of a masked slot. ``suffix`` keeps a
 uniformly drawn clean prefix of 0..length-1 of the slot's own tokens in front of its ``[MASK]`` s, the pattern the
 decoder's infill asks for (draft the rest of a slot after its accepted prefix); ``mixed`` draws ``whole`` or
@@ -32,6 +36,7 @@ IGNORE_INDEX = -100  # same value as `modeling_refusion.IGNORE_INDEX` and PyTorc
 # Storage groups, in row order; a token's sort key is `group * max_slots * width + key within the group`.
 _PROMPT, _CLEAN, _MASKED, _PADDING = range(4)
 SLOT_MASKINGS = ("whole", "suffix", "mixed")
+MASKED_SLOTS = ("random", "tail")
 
 TokenIds = torch.Tensor | Sequence[int]
 
@@ -55,6 +60,7 @@ def build_hybrid_batch(
     generator: torch.Generator | None = None,
     slot_masking: str = "whole",
     acceptance_decay: float | None = None,
+    masked_slots: str = "random",
 ) -> dict[str, torch.Tensor]:
     """Return a right-padded hybrid-objective batch ready for `RefusionForCausalLM.forward(**batch)`.
 
@@ -75,13 +81,15 @@ def build_hybrid_batch(
       count (the MDM term moves toward a slot's first drafts, the ones an accepted run starts with, at the same
       total); 0 off the masks. `RefusionSFTTrainer` takes it; `forward` does not.
 
-    ``slot_masking`` is one of `SLOT_MASKINGS` (see the module docstring). All randomness comes from ``generator``
-    (torch's global RNG when None), so a seeded generator gives the same batch every time. Tensors are built on the
-    device of the first prompt.
+    ``slot_masking`` is one of `SLOT_MASKINGS` and ``masked_slots`` one of `MASKED_SLOTS` (see the module
+    docstring). All randomness comes from ``generator`` (torch's global RNG when None), so a seeded generator gives
+    the same batch every time. Tensors are built on the device of the first prompt.
     """
     prompt_rows, response_rows = _validate(prompts, responses, mask_token_id, slot_sizes, eps)
     if slot_masking not in SLOT_MASKINGS:
         raise ValueError(f"slot_masking must be one of {', '.join(SLOT_MASKINGS)}, got {slot_masking!r}.")
+    if masked_slots not in MASKED_SLOTS:
+        raise ValueError(f"masked_slots must be one of {', '.join(MASKED_SLOTS)}, got {masked_slots!r}.")
     if acceptance_decay is not None and not 0.0 < acceptance_decay <= 1.0:
         raise ValueError(f"acceptance_decay must lie in (0, 1], got {acceptance_decay}.")
     device = prompt_rows[0].device
@@ -105,6 +113,10 @@ def build_hybrid_batch(
     max_slots = int(((response_length + slot_size - 1) // slot_size).max())
     slot_draws = torch.rand(2, batch_size, max_slots, generator=generator, device=sample_device).to(device)
     slot_is_masked = slot_draws[0] < noise_level[:, None]
+    if masked_slots == "tail":  # the last ceil(p * slots) slots of each response
+        slots = (response_length + slot_size - 1) // slot_size
+        masked_count = (noise_level * slots).ceil().long().clamp(min=1)
+        slot_is_masked = torch.arange(max_slots, device=device) >= (slots - masked_count)[:, None]
     # Rank of each slot in a uniformly random permutation; only clean slots use it.
     slot_rank = slot_draws[1].argsort(dim=1).argsort(dim=1)
     # Drawn after the paper's draws, so `whole` batches stay what they were for a given seed.
@@ -237,6 +249,7 @@ class HybridObjectiveCollator:
     seed: int | None = None
     slot_masking: str = "whole"
     acceptance_decay: float | None = None
+    masked_slots: str = "random"
     generator: torch.Generator = field(init=False, repr=False)
     _worker_seed: int | None = field(default=None, init=False, repr=False)
 
@@ -254,6 +267,7 @@ class HybridObjectiveCollator:
         seed: int | None = None,
         slot_masking: str = "whole",
         acceptance_decay: float | None = None,
+        masked_slots: str = "random",
     ) -> "HybridObjectiveCollator":
         """Build the collator from a `RefusionConfig` (`mask_token_id`, `train_slot_sizes`, `mask_eps`) and the
         objective options that are training settings rather than model fields."""
@@ -267,6 +281,7 @@ class HybridObjectiveCollator:
             seed=seed,
             slot_masking=slot_masking,
             acceptance_decay=acceptance_decay,
+            masked_slots=masked_slots,
         )
 
     def __call__(self, features: Sequence[dict[str, TokenIds]]) -> dict[str, torch.Tensor]:
@@ -285,7 +300,8 @@ class HybridObjectiveCollator:
             generator=self.generator,
             slot_masking=self.slot_masking,
             acceptance_decay=self.acceptance_decay,
+            masked_slots=self.masked_slots,
         )
 
 
-__all__ = ["IGNORE_INDEX", "SLOT_MASKINGS", "HybridObjectiveCollator", "build_hybrid_batch"]
+__all__ = ["IGNORE_INDEX", "MASKED_SLOTS", "SLOT_MASKINGS", "HybridObjectiveCollator", "build_hybrid_batch"]

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer.pad_token_id,
             seed=training_args.seed + training_args.process_index,
             slot_masking=refusion_args.slot_masking,
+            masked_slots=refusion_args.masked_slots,
             acceptance_decay=refusion_args.acceptance_decay,
         )
         trainer = RefusionSFTTrainer(

@@ -15,7 +15,7 @@ from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
 from finetune.convert import FORMATS, MASK_INITS, convert_to_refusion, load_causal_lm
 from finetune.data import OVERLONG_POLICIES
-from finetune.hybrid import SLOT_MASKINGS
+from finetune.hybrid import MASKED_SLOTS, SLOT_MASKINGS
 from modeling_refusion import RefusionForCausalLM, refusion_hybrid_loss, refusion_soft_target_loss
 
 QUANTIZATION_ATTRIBUTES = (
@@ -58,6 +58,14 @@ class RefusionArguments:
             "0..size-1 of its own tokens stays in front of its masks, as in the decoder's infill) or 'mixed' (either, "
             "drawn per slot).",
             "choices": list(SLOT_MASKINGS),
+        },
+    )
+    masked_slots: str = field(
+        default="random",
+        metadata={
+            "help": "Which slots the MDM term masks: 'random' (each with probability p, the paper) or 'tail' (the "
+            "last ceil(p * slots) of the response, so every [MASK] sees only text before it, as in decoding).",
+            "choices": list(MASKED_SLOTS),
         },
     )
     acceptance_decay: float | None = field(

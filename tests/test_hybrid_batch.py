@@ -1,6 +1,7 @@
 """Property tests of the hybrid-objective batch builder and its collator (`finetune/hybrid.py`)."""
 
 import itertools
+import math
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -431,3 +432,46 @@ def test_collator_carries_the_objective_options():
         acceptance_decay=0.7,
     )
     assert batch.keys() == expected.keys() and all(torch.equal(batch[key], expected[key]) for key in batch)
+
+
+@pytest.mark.parametrize("slot_sizes", SLOT_SIZE_SETS)
+def test_tail_masking_masks_the_last_slots_so_every_mask_sees_only_text_before_it(slot_sizes):
+    rng = random.Random(7 + sum(slot_sizes))
+    for seed in range(30):
+        prompts, responses = random_examples(rng, rng.randint(1, 6), slot_sizes)
+        batch = build_hybrid_batch(prompts, responses, mask_token_id=MASK, pad_token_id=PAD, slot_sizes=slot_sizes,
+                                   generator=torch.Generator().manual_seed(seed), masked_slots="tail")  # fmt: skip
+        for b, (prompt, response) in enumerate(zip(prompts, responses)):
+            masked_slots, slots = check_row(batch, b, prompt, response, slot_sizes, 1e-3)  # the paper's layout rules
+            p = float(batch["noise_level"][b])
+            assert masked_slots == max(1, math.ceil(p * slots - 1e-6))
+            real = batch["attention_mask"][b].bool()
+            positions, is_masked = batch["position_ids"][b][real], batch["is_masked"][b][real]
+            response_positions = positions[len(prompt) :]
+            masked_positions = positions[is_masked]
+            clean_positions = response_positions[~is_masked[len(prompt) :]]
+            # Every [MASK] lies after every clean response token in reading order: it sees only text before it.
+            assert clean_positions.numel() == 0 or int(clean_positions.max()) < int(masked_positions.min())
+
+
+def test_tail_masking_keeps_the_papers_draws_of_everything_but_which_slots_are_masked_and_refuses_other_layouts():
+    prompts, responses = random_examples(random.Random(11), 8, (4, 8))
+    common = dict(mask_token_id=MASK, pad_token_id=PAD, slot_sizes=(4, 8))
+    randomly, tail = (
+        build_hybrid_batch(
+            prompts, responses, generator=torch.Generator().manual_seed(4), masked_slots=layout, **common
+        )  # fmt: skip
+        for layout in ("random", "tail")
+    )
+    for key in ("noise_level", "slot_size", "response_length", "attention_mask"):
+        assert torch.equal(randomly[key], tail[key]), key
+    assert not torch.equal(randomly["is_masked"], tail["is_masked"])
+    default = build_hybrid_batch(prompts, responses, generator=torch.Generator().manual_seed(4), **common)
+    assert all(torch.equal(default[key], randomly[key]) for key in default)  # "random" is the paper's, as before
+    with pytest.raises(ValueError, match="masked_slots must be one of random, tail"):
+        build_hybrid_batch(prompts, responses, masked_slots="head", **common)
+    collator = HybridObjectiveCollator.from_config(
+        SimpleNamespace(mask_token_id=MASK, train_slot_sizes=[4, 8], mask_eps=1e-3), PAD, seed=4, masked_slots="tail"
+    )
+    features = [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+    assert torch.equal(collator(features)["is_masked"], tail["is_masked"])

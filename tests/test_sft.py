@@ -362,7 +362,8 @@ def test_objective_options_from_a_recipe_config_train_and_log_the_soft_target_te
     data = write_data(tmp_path / "data", "query_response", "jsonl")
     output_dir = tmp_path / "out"
     settings = {  # a recipe `sft` section: recipe.run passes each key as a flag
-        "slot_masking": "mixed", "acceptance_decay": 0.7, "soft_target_weight": 0.5, "use_peft": True,
+        "slot_masking": "mixed", "masked_slots": "tail", "acceptance_decay": 0.7, "soft_target_weight": 0.5,
+        "use_peft": True,
         "lora_r": 8, "learning_rate": 1e-2, "lr_scheduler_type": "constant", "max_steps": 10,
         "per_device_train_batch_size": 4, "logging_steps": 5, "save_strategy": "no", "slot_sizes": [2, 4],
     }  # fmt: skip
@@ -373,6 +374,7 @@ def test_objective_options_from_a_recipe_config_train_and_log_the_soft_target_te
         0.7,
         0.5,
     )
+    assert refusion_args.masked_slots == "tail"
     assert main([*arguments, *QUIET]) == 0
     logs = logged_losses(output_dir)
     assert len(logs) == 2
