@@ -12,7 +12,8 @@ token is labelled with the next token of that slot, a ``[MASK]`` is labelled wit
 
 Which slots are masked (`MASKED_SLOTS`): ``random`` (the paper's) masks each slot with probability ``p``; ``tail``
 masks the last ``ceil(p * slots)`` slots of the response (at least one), so that every ``[MASK]`` sees only text
-before it in reading order, as when a decode drafts past the text it has committed.
+before it in reading order, as when a decode drafts past the text it has committed; its noise level is then the share
+of the response its masked slots hold, so the MDM term still averages over the masks.
 
 Slot masking (`SLOT_MASKINGS`): ``whole`` (the paper's) hides every token of a masked slot. ``suffix`` keeps a
 uniformly drawn clean prefix of 0..length-1 of the slot's own tokens in front of its ``[MASK]`` s, the pattern the
@@ -74,7 +75,8 @@ def build_hybrid_batch(
     * ``labels`` (long, ``[B, T]``): aligned hybrid labels, ``IGNORE_INDEX`` on the prompt, padding and the last
       token of every clean slot;
     * ``is_masked`` (bool, ``[B, T]``): True exactly at ``[MASK]`` positions;
-    * ``noise_level`` (float32, ``[B]``): masking probability ``p`` of each example;
+    * ``noise_level`` (float32, ``[B]``): masking probability ``p`` of each example (with ``tail``, the share of
+      its response in masked slots);
     * ``response_length`` (long, ``[B]``) and ``slot_size`` (long, ``[B]``, for logging);
     * with ``acceptance_decay`` only, ``mdm_token_weight`` (float32, ``[B, T]``): the weight of the MDM term at
       each ``[MASK]``, ``decay ** k`` for the k-th mask of its slot, scaled so that a slot's weights sum to its mask
@@ -116,7 +118,9 @@ def build_hybrid_batch(
     if masked_slots == "tail":  # the last ceil(p * slots) slots of each response
         slots = (response_length + slot_size - 1) // slot_size
         masked_count = (noise_level * slots).ceil().long().clamp(min=1)
-        slot_is_masked = torch.arange(max_slots, device=device) >= (slots - masked_count)[:, None]
+        first_masked = slots - masked_count
+        slot_is_masked = torch.arange(max_slots, device=device) >= first_masked[:, None]
+        noise_level = (response_length - first_masked * slot_size).double() / response_length
     # Rank of each slot in a uniformly random permutation; only clean slots use it.
     slot_rank = slot_draws[1].argsort(dim=1).argsort(dim=1)
     # Drawn after the paper's draws, so `whole` batches stay what they were for a given seed.

@@ -1,7 +1,6 @@
 """Property tests of the hybrid-objective batch builder and its collator (`finetune/hybrid.py`)."""
 
 import itertools
-import math
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -443,8 +442,11 @@ def test_tail_masking_masks_the_last_slots_so_every_mask_sees_only_text_before_i
                                    generator=torch.Generator().manual_seed(seed), masked_slots="tail")  # fmt: skip
         for b, (prompt, response) in enumerate(zip(prompts, responses)):
             masked_slots, slots = check_row(batch, b, prompt, response, slot_sizes, 1e-3)  # the paper's layout rules
-            p = float(batch["noise_level"][b])
-            assert masked_slots == max(1, math.ceil(p * slots - 1e-6))
+            size = int(batch["slot_size"][b])
+            in_masked_slots = len(response) - (slots - masked_slots) * size
+            assert masked_slots >= 1 and float(batch["noise_level"][b]) == pytest.approx(
+                in_masked_slots / len(response)
+            )
             real = batch["attention_mask"][b].bool()
             positions, is_masked = batch["position_ids"][b][real], batch["is_masked"][b][real]
             response_positions = positions[len(prompt) :]
@@ -463,8 +465,12 @@ def test_tail_masking_keeps_the_papers_draws_of_everything_but_which_slots_are_m
         )  # fmt: skip
         for layout in ("random", "tail")
     )
-    for key in ("noise_level", "slot_size", "response_length", "attention_mask"):
+    for key in ("slot_size", "response_length", "attention_mask"):
         assert torch.equal(randomly[key], tail[key]), key
+    drawn = randomly["noise_level"]  # the tail masks the last ceil(p * slots) slots for the p drawn
+    slots = (tail["response_length"] + tail["slot_size"] - 1) // tail["slot_size"]
+    masked = slots - (tail["response_length"] * (1 - tail["noise_level"])).round().long() // tail["slot_size"]
+    assert torch.equal(masked, (drawn * slots).ceil().long().clamp(min=1))
     assert not torch.equal(randomly["is_masked"], tail["is_masked"])
     default = build_hybrid_batch(prompts, responses, generator=torch.Generator().manual_seed(4), **common)
     assert all(torch.equal(default[key], randomly[key]) for key in default)  # "random" is the paper's, as before
