@@ -49,12 +49,15 @@ def draft_queries(prompt_length: int, answer_length: int, max_distance: int) -> 
 
 def query_mask(prompt_length: int, answer_length: int, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask `[1, 1, n, n]` of the sequence (causal) followed by the queries: a query sees the prompt, the
-    `seen` answer tokens before it and itself."""
+    `seen` answer tokens before it, the queries of the same answer point at smaller distances and itself, as the
+    `[MASK]`s of one slot see each other in a plan forward (a slot's group). (Until 2026-12-07 each query saw only
+    itself, a draft no decode makes: its drafts two ahead looked rarely right and often confident.)"""
     length = prompt_length + answer_length
     total = length + seen.shape[0]
     columns = torch.arange(total)
     sees = columns[None, :] <= columns[:, None]
-    sees[length:] = (columns[None, :] < prompt_length + seen[:, None]) | (columns[None, :] == columns[length:, None])
+    sees[length:] = columns[None, :] < prompt_length + seen[:, None]
+    sees[length:, length:] = (seen[None, :] == seen[:, None]) & (columns[None, length:] <= columns[length:, None])
     return torch.zeros(total, total, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)[None, None]
 
 
