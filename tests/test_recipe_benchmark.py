@@ -449,7 +449,8 @@ def test_every_benchmark_row_is_a_whole_valid_decoding_setting(grid, name):
 
 def test_draft_checks_in_one_forward_equal_a_forward_per_draft():
     """benchmarks.draft_sources puts every [MASK] draft query after the answer in one forward; each must see what a
-    plan query of its own would: the prompt, the answer tokens before its point, and itself at its target's position."""
+    plan forward's [MASK] at its slot offset sees: the prompt, the answer tokens before its point, and the slot's
+    [MASK]s up to itself, each at its own position (a slot drafted after its first `a` tokens)."""
     tokenizer = tiny_tokenizer()
     backbone = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2)
     model, tokenizer = convert_to_refusion(backbone, tokenizer)
@@ -463,8 +464,8 @@ def test_draft_checks_in_one_forward_equal_a_forward_per_draft():
     with torch.no_grad():
         ar = model(torch.tensor([prompt + answer])).logits[0].softmax(-1)
         for query, (a, d, j) in enumerate(zip(seen.tolist(), distance.tolist(), target.tolist())):
-            ids = torch.tensor([prompt + answer[:a] + [mask_id]])
-            positions = torch.tensor([list(range(len(prompt) + a)) + [len(prompt) + j]])
+            ids = torch.tensor([prompt + answer[:a] + [mask_id] * d])
+            positions = torch.tensor([list(range(len(prompt) + a + d))])
             probabilities = model(ids, position_ids=positions).logits[0, -1].softmax(-1)
             probabilities[mask_id] = -1
             draft = int(probabilities.argmax())
