@@ -50,8 +50,7 @@ def draft_queries(prompt_length: int, answer_length: int, max_distance: int) -> 
 def query_mask(prompt_length: int, answer_length: int, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask `[1, 1, n, n]` of the sequence (causal) followed by the queries: a query sees the prompt, the
     `seen` answer tokens before it, the queries of the same answer point at smaller distances and itself, as the
-    `[MASK]`s of one slot see each other in a plan forward (a slot's group). (Until 2026-12-07 each query saw only
-    itself, a draft no decode makes: its drafts two ahead looked rarely right and often confident.)"""
+    `[MASK]`s of one slot see each other in a plan forward (a slot's group)."""
     length = prompt_length + answer_length
     total = length + seen.shape[0]
     columns = torch.arange(total)
