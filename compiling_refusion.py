@@ -92,7 +92,7 @@ def compile_step(function: Callable) -> Callable:
 
 def step_functions(compiled) -> StepFunctions:
     """The decoder's step functions for a decode through the `compiled` backbone (`compiled_backbone`; None: eager
-    forwards): on a CPU beside saved forwards, all but a fused-redraft round's decision compiled ahead of time too
+    forwards): on a CPU beside saved forwards, all but sampling's infill decision compiled ahead of time too
     (`SavedForwards.steps`), else `compiled_steps()`."""
     saved_steps = getattr(compiled, "steps", None)  # saved forwards' own (`SavedForwards.steps`)
     if saved_steps is not None and compiled.model.device.type == "cpu":
@@ -102,32 +102,33 @@ def step_functions(compiled) -> StepFunctions:
 
 @torch.no_grad()  # (as decodes run: grad mode is among a graph's guards)
 def warm_up_steps(model, lookup_drafts: int = 0, steps: StepFunctions | None = None) -> None:
-    """Compile `compiled_steps()`'s scoring of `model`'s logits (one row and several), its infill decisions (one
-    slot and several) and its greedy plan, verify and infill forwards scored whole (with `lookup_drafts` drafts
-    copied) now, and with `lookup_drafts` the copying of that many drafts (one slot and several). The masks compile
-    with the forwards (`compile_forwards`)."""
+    """Compile `compiled_steps()`'s greedy plan, verify and infill forwards scored whole (one slot and several, one
+    row and several; infill rounds with `[MASK]` queries too where no drafts are copied; with `lookup_drafts` drafts
+    copied), sampling's infill decisions (one slot and several) now, and with `lookup_drafts` the copying of that many
+    drafts (one slot and several). The masks compile with the forwards (`compile_forwards`)."""
     device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
     steps, eos = steps or compiled_steps(), torch.tensor([2, -1, -1], device=device)  # (as `SlotDecoder.eos`)
     threshold = torch.tensor(0.5, dtype=torch.float64, device=device)  # (as `SlotDecoder.token_threshold`)
     for rows in (1, 2):
-        logits = torch.zeros(rows, vocab, dtype=model.dtype, device=device)
-        probabilities, _ = steps.greedy_distributions(logits, model.config.mask_token_id)
         tokens = torch.zeros(rows, 4, dtype=torch.long, device=device)
         counts = torch.ones(rows, dtype=torch.long, device=device)  # (`ones_like` of a column keeps its stride)
-        probability = probabilities[:, :4].clone()
+        # (in float32, or wider: as `SlotDecoder._probabilities` gives them)
+        probability = torch.full((rows, 4), 0.25, dtype=torch.promote_types(model.dtype, torch.float32), device=device)
         for redrafts in (None, tokens + 1):  # the model's own tokens, or `[MASK]` queries' (`fused_redraft`)
             steps.judge_infill(tokens, counts, counts + 2, tokens == 0, probability, tokens + 2, redrafts, eos, 0.5)
     # a whole infill round (`score_infill`): one slot with one row or several, several slots with several rows
     text = torch.zeros(16, dtype=torch.long, device=device)
     for slots, rows in ((1, 1), (1, 2), (2, 2)):
-        logits = torch.zeros(rows, vocab, dtype=model.dtype, device=device)
         at = 4 + torch.arange(slots * 4, device=device).view(slots, 4)
         # each slot's first token fresh, the first slot's next rows - slots drafts queried
         stored = torch.zeros(slots, dtype=torch.long, device=device)
         counts, until = stored + 1, stored + 2
         until[0] += rows - slots
-        steps.score_infill(logits, at - 4, stored, counts, until, eos, model.config.mask_token_id, threshold, text, at,
-                           lookup_drafts)  # fmt: skip
+        for fused in (False,) if lookup_drafts else (False, True):  # (fused: a `[MASK]` query per checked position)
+            width = rows + (int((until - counts).sum()) if fused else 0)
+            logits = torch.zeros(width, vocab, dtype=model.dtype, device=device)
+            steps.score_infill(logits, at - 4, stored, counts, until, eos, model.config.mask_token_id, threshold,
+                               text, at, lookup_drafts, fused)  # fmt: skip
     # a whole verify forward (`score_verify`): one slot or several, one token each or several
     keep_drafts = torch.tensor(False, device=device)
     for slots, width in ((1, 1), (1, 2), (2, 1), (2, 2)):
@@ -136,7 +137,9 @@ def warm_up_steps(model, lookup_drafts: int = 0, steps: StepFunctions | None = N
         steps.score_verify(logits, at - 4, eos, model.config.mask_token_id, threshold, keep_drafts, text, at,
                            lookup_drafts)  # fmt: skip
         # a whole plan forward (`score_plan`): the slots' first tokens, or all of them
-        steps.score_plan(logits, at - 4, model.config.mask_token_id, threshold, text, at, lookup_drafts)
+        steps.score_plan(logits, at - 4, eos, model.config.mask_token_id, threshold, text, at, lookup_drafts)
+        if width == 1 and not lookup_drafts:  # slots of one token
+            steps.score_plan(logits, at[:, :1] - 4, eos, model.config.mask_token_id, threshold, text, at[:, :1], 0)
     if lookup_drafts:
         warm_up_copies(device, lookup_drafts, model.config.mask_token_id, steps)
 

@@ -208,27 +208,34 @@ def score_infill(
     text: torch.Tensor,
     at: torch.Tensor,
     drafts: int,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy fast-rule infill round scored whole, from the logits of its forward to what the host reads, for slots'
     `tokens` (`[slots, slot_size]`) with `stored`, `counts` and `until` as `infill_masks` reads them: the forward's
-    rows are the slots' fresh tokens, then their queried drafts (each in row-major order); position i is scored by
-    the row of position i - 1. Decides as `greedy_distributions` (computed as `greedy_logsumexp`), then
-    `judge_infill` with the model's own tokens as redrafts, then with `drafts` (`lookup_drafts`) `copy_drafts` from
+    rows are the slots' fresh tokens, then (`fused`: `fused_redraft`) a `[MASK]` query for each checked position,
+    then their queried drafts (each in row-major order); position i is scored by the row of position i - 1. Decides
+    as `greedy_distributions` (computed as `greedy_logsumexp`), then `judge_infill` with the `[MASK]` queries'
+    greedy tokens as redrafts (else the model's own tokens), then with `drafts` (`lookup_drafts`) `copy_drafts` from
     `text` (`at`: the slots' text positions) do. Returns the host's values (the new counts, their EOS offsets, with
     `drafts` how many drafts each slot holds, then the check's `check_counts`), the slots' new tokens and the check's
     `draft_marks`. (One function, so that a compiled decode makes one call here a forward: on a CPU a call right
     after a forward runs from a cold cache, and several calls cost several times one.)"""
     logsumexp, greedy = greedy_logsumexp(logits, mask_token_id)
     fresh, queried, checked = infill_masks(stored, counts, until, tokens.shape[1])
-    fresh, queried = fresh.flatten(), queried.flatten()
-    rows = torch.where(fresh, fresh.cumsum(0) - 1, fresh.sum() + queried.cumsum(0) - 1) * (fresh | queried)
+    fresh, queried, flat_checked = fresh.flatten(), queried.flatten(), checked.flatten()
+    first_draft_row = fresh.sum() + (flat_checked.sum() if fused else 0)
+    rows = torch.where(fresh, fresh.cumsum(0) - 1, first_draft_row + queried.cumsum(0) - 1) * (fresh | queried)
     rows = rows.view_as(tokens)
     source = torch.cat([rows[:, :1], rows[:, :-1]], dim=1)  # the row scoring each position
     ar_tokens = torch.where(checked, greedy[source], tokens)
     drafted = probabilities_at(logits, logsumexp, source, tokens).masked_fill(tokens == mask_token_id, -1)
     ar_probability = torch.where(checked, drafted, 1.0)
+    redrafts = None
+    if fused:  # the `[MASK]` query of each checked position redrafts it
+        mask_rows = ((fresh.sum() + flat_checked.cumsum(0) - 1) * flat_checked).view_as(tokens)
+        redrafts = torch.where(checked, greedy[mask_rows], tokens)
     tokens, counts, eos_at, marks = judge_infill(
-        tokens, counts, until, checked, ar_probability, ar_tokens, None, eos, threshold
+        tokens, counts, until, checked, ar_probability, ar_tokens, redrafts, eos, threshold
     )
     values = [counts, eos_at]
     if drafts:
@@ -303,6 +310,7 @@ def score_verify(
 def score_plan(
     logits: torch.Tensor,
     drafts: torch.Tensor,
+    eos: torch.Tensor,
     mask_token_id: int,
     threshold: torch.Tensor,
     text: torch.Tensor,
@@ -314,8 +322,9 @@ def score_plan(
     written over the first `width` of its `drafts` (`[slots, slot_size]`); the slots whose first draft's probability
     passes `threshold` are chosen (else the most confident, `choose_slots`), and with `copies` (`lookup_drafts`) the
     drafts after each first one are copied from `text` (`at`: the slots' text positions), as `copy_drafts` does.
-    Returns the host's values (which slots are chosen, then with `copies` how many drafts each holds) and the slots'
-    drafts. (One call a plan forward, as `score_infill` is an infill round's.)"""
+    Returns the host's values (which slots are chosen, then for slots of one token which drafts are in `eos`, or
+    with `copies` how many drafts each holds) and the slots' drafts. (One call a plan forward, as `score_infill` is
+    an infill round's.)"""
     (slots, width), vocabulary = logits.shape[:2], logits.shape[2]
     logits = logits.reshape(slots * width, vocabulary)
     logsumexp, greedy = greedy_logsumexp(logits, mask_token_id)
@@ -324,10 +333,44 @@ def score_plan(
     drafted = greedy.view(slots, width).gather(1, offsets.clamp(max=width - 1).expand(slots, -1))
     drafts = torch.where(offsets < width, drafted, drafts)
     values = [choose_slots(picked.view(slots, width)[:, 0], threshold).long()]
+    if drafts.shape[1] == 1:  # a one-token slot is complete once chosen: the host needs to know which ended
+        values.append(torch.isin(drafts[:, 0], eos).long())
     if copies:
         drafts, found = copy_drafts(text, at, drafts, torch.ones_like(values[0]), copies, mask_token_id)
         values.append(found)
     return torch.cat(values), drafts
+
+
+def score_redraft(
+    logits: torch.Tensor, tokens: torch.Tensor, drafting: torch.Tensor, row_of: torch.Tensor, mask_token_id: int
+) -> torch.Tensor:
+    """A greedy redraft forward of the authors' infill rule: the slots' `tokens` (`[slots, slot_size]`) with the
+    positions `drafting` (a mask) replaced by the greedy token (never the mask token) of their `[MASK]` query, whose
+    row of `logits` is `row_of` (`[slots, slot_size]`)."""
+    _, greedy = greedy_logsumexp(logits, mask_token_id)
+    return torch.where(drafting, greedy[row_of], tokens)
+
+
+def score_recheck(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    row_of: torch.Tensor,
+    eos: torch.Tensor,
+    mask_token_id: int,
+    threshold: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy recheck forward of the authors' infill rule, the slots' `tokens` (`[slots, slot_size]`, `counts`
+    accepted) ran causally, the token at offset i in row `row_of[:, i]` of `logits`: each position after the first
+    unaccepted one is scored by the row before it (`accept_reference`). Returns the new counts with their EOS offsets
+    (`eos_offsets`), and the positions scored (a mask)."""
+    logsumexp, _ = greedy_logsumexp(logits, mask_token_id)
+    offsets = torch.arange(tokens.shape[1], device=tokens.device)
+    scored = offsets > counts[:, None]
+    source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
+    drafted = probabilities_at(logits, logsumexp, source, tokens).masked_fill(tokens == mask_token_id, -1)
+    counts = accept_reference(counts, torch.where(scored, drafted, 1.0), threshold)
+    return torch.cat([counts, eos_offsets(tokens, counts, eos)]), scored
 
 
 def draft_marks(checked: torch.Tensor, run_end: torch.Tensor) -> torch.Tensor:
@@ -438,18 +481,15 @@ class StepFunctions:
     """The decoder's tensor work between forwards that decodes through compiled forwards run compiled too: each
     function's dozens of small operations become one call of generated code (on a GPU a kernel or a few, where each
     operation was a launch). `EAGER_STEPS` holds the functions themselves, `compiled_steps()` them compiled, and
-    beside saved forwards on a CPU `SavedForwards.steps` all but `judge_infill` compiled ahead of time
+    beside saved forwards on a CPU `SavedForwards.steps` all but `judge_infill` (sampling's) compiled ahead of time
     (`SavedStep`: there a call skips the Python layers of a `torch.compile` call)."""
 
     copy_drafts: Callable  # drafts copied from earlier text (`lookup_drafts`), written into the slots
     static_mask: Callable  # where a forward's tokens go in a `SlotCache`, and their attention mask
-    greedy_distributions: Callable  # a forward's token distributions and greedy tokens, for greedy decoding
-    judge_infill: Callable  # the decision of a fast-rule infill round
+    judge_infill: Callable  # the decision of a fast-rule infill round, when sampling (or reading the context)
     score_infill: Callable  # a greedy fast-rule infill round, from its logits to its decision
-    score_verify: Callable  # a greedy fast-rule verify forward, from its logits to its decision
+    score_verify: Callable  # a greedy verify forward, from its logits to its decision
     score_plan: Callable  # a greedy plan forward, from its logits to the slots chosen
 
 
-EAGER_STEPS = StepFunctions(
-    copy_drafts, static_mask, greedy_distributions, judge_infill, score_infill, score_verify, score_plan
-)
+EAGER_STEPS = StepFunctions(copy_drafts, static_mask, judge_infill, score_infill, score_verify, score_plan)

@@ -31,6 +31,8 @@ try:
         judge_verify,
         leading_complete,
         pick_tokens,
+        score_recheck,
+        score_redraft,
     )
     from .settings_refusion import CONTEXT_FREE, DecodingSettings
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
@@ -49,6 +51,8 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
         judge_verify,
         leading_complete,
         pick_tokens,
+        score_recheck,
+        score_redraft,
     )
     from settings_refusion import CONTEXT_FREE, DecodingSettings
 
@@ -268,10 +272,11 @@ class SlotDecoder:
         self.steps = steps or EAGER_STEPS  # compiled with the forwards (`compiled_steps()`) or not
         self.processors, self.watcher = processors or lp.LogitsProcessorList(), watcher
         self.context_free = all(isinstance(processor, CONTEXT_FREE) for processor in self.processors)
-        # Greedy decoding with no processor that reads the tokens before a position scores all of a forward's rows
-        # at once (`greedy_distributions`), in `score`; otherwise each decision scores the rows it reads.
-        self.score_all_rows = not settings.do_sample and self.context_free
-        self.forward_scores: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Greedy decoding with no processor that reads the tokens before a position scores each forward whole, from
+        # its logits to what the host reads, in one step function of the phase (`score_plan`, `score_verify`,
+        # `score_infill`, `score_redraft`, `score_recheck`); sampling, or such a processor, scores the rows each
+        # decision reads (`_pick`, `_ar_check`).
+        self.greedy = not settings.do_sample and self.context_free
         # (a 0-d tensor, as step functions compiled ahead of time take it: one package serves every threshold)
         self.token_threshold = torch.tensor(settings.token_threshold, dtype=torch.float64, device=self.device)
         self.keep_drafts = torch.tensor(settings.fused_redraft, device=self.device)  # (`judge_verify`'s, so too)
@@ -327,11 +332,7 @@ class SlotDecoder:
             self.REDRAFT: self._score_redraft,
             self.RECHECK: self._score_recheck,
         }[self.phase.kind]
-        if self.score_all_rows and not self._scored_whole(self.phase):
-            self.forward_scores = self.steps.greedy_distributions(self._processed(logits), self.settings.mask_token_id)
-        values = score(self.phase, logits)
-        self.forward_scores = None
-        return values
+        return score(self.phase, logits)
 
     def advance(self, values: list[int]) -> int:
         """Decide from the host's copy of `score`'s tensor and move to the next phase; returns how many leading
@@ -399,10 +400,10 @@ class SlotDecoder:
         """Keep the drafts; choose the slots to decode by their first draft's confidence (and, for one-token slots,
         which drafts are EOS)."""
         index, settings = phase.forward.index, self.settings
-        if self._scored_whole(phase):
+        if self.greedy:
             slots = self._slot_index(phase.slots)
             values, self.drafts[slots] = self.steps.score_plan(
-                self._processed(logits).view(len(phase.slots), -1, logits.shape[-1]), self.drafts[slots],
+                self._processed(logits).view(len(phase.slots), -1, logits.shape[-1]), self.drafts[slots], self.eos,
                 settings.mask_token_id, self.slot_threshold, self.text, slots + self.prompt.shape[0],
                 settings.lookup_drafts,
             )  # fmt: skip
@@ -450,11 +451,13 @@ class SlotDecoder:
         forward, size, settings = phase.forward, self.settings.slot_size, self.settings
         index, tokens, width, slots = forward.index, forward.tokens, forward.width, len(phase.slots)
         fast = settings.infill_mode != "reference"
-        if self._scored_whole(phase):
-            values, forward.tokens, marks = self.steps.score_verify(
+        if self.greedy:  # (the authors' rule reads the accepted lengths and EOS offsets only, and keeps the drafts)
+            values, corrected, marks = self.steps.score_verify(
                 self._processed(logits).view(slots, width, -1), tokens, self.eos, settings.mask_token_id,
                 self.token_threshold, self.keep_drafts, self.text, index + self.prompt.shape[0], settings.lookup_drafts,
             )  # fmt: skip
+            if fast:
+                forward.tokens = corrected
             self.profile.record(AcceptanceProfile.PLAN, marks)  # (`values` end with its counts)
             return values
         until = min(width + 1, size)  # the logits at offset i score offset i + 1; offset 0 always passes
@@ -519,27 +522,15 @@ class SlotDecoder:
         layout.sizes, layout.fresh_queries = sizes, Queries(queries.fields[:, : sizes[0]])
         return queries
 
-    def _scored_whole(self, phase: Phase) -> bool:
-        """Whether the phase's logits are scored by one step function: a greedy infill round with no `[MASK]` queries
-        (`fused_redraft`; `score_infill`), a greedy verify forward of the fast rule (`score_verify`), or a greedy plan
-        of slots of more than one token (`score_plan`)."""
-        if not self.score_all_rows:
-            return False
-        if phase.kind == self.PLAN:
-            return self.settings.slot_size > 1
-        if phase.kind == self.VERIFY:
-            return self.settings.infill_mode != "reference"
-        return phase.kind == self.INFILL and len(phase.forward.sizes) == 2
-
     def _score_infill(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
         state, layout = phase.state, phase.forward
-        if self._scored_whole(phase):
+        if self.greedy:
             settings = self.settings
             values, layout.tokens, marks = self.steps.score_infill(
                 self._processed(logits), state.tokens, layout.stored, layout.counts, layout.until, self.eos,
                 settings.mask_token_id, self.token_threshold, self.text, layout.index + self.prompt.shape[0],
-                settings.lookup_drafts,
+                settings.lookup_drafts, len(layout.sizes) == 3,
             )  # fmt: skip
             self.profile.record(AcceptanceProfile.REDRAFT, marks)  # (`values` end with its counts)
             return values
@@ -600,6 +591,11 @@ class SlotDecoder:
     def _score_redraft(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         state, reference = phase.state, phase.forward
         drafting, index = reference.drafting, reference.index
+        if self.greedy:
+            drafting_mask = self.offsets >= reference.counts[:, None]
+            reference.tokens = score_redraft(self._processed(logits), state.tokens, drafting_mask, reference.row_of,
+                                             self.settings.mask_token_id)  # fmt: skip
+            return reference.tokens.new_zeros(0)
         tokens = state.tokens.clone()
         picked = self._pick(logits, reference.row_of.flatten()[drafting], index.flatten()[drafting], state.tokens,
                             drafting)[0]  # fmt: skip
@@ -619,6 +615,11 @@ class SlotDecoder:
         """Accept by the authors' rule: each slot's new count and EOS offset."""
         state, reference, size = phase.state, phase.forward, self.settings.slot_size
         index, tokens, counts, row_of = reference.index, reference.tokens, reference.counts, reference.row_of
+        if self.greedy:
+            values, scored_mask = score_recheck(self._processed(logits), tokens, counts, row_of, self.eos,
+                                                self.settings.mask_token_id, self.token_threshold)  # fmt: skip
+            checked = self.profile.add(AcceptanceProfile.REDRAFT, scored_mask, values[: len(state.slots)])
+            return torch.cat([values, checked])
         scored_mask = self.offsets > counts[:, None]  # by the checked position before it
         scored = positions(scored_mask, sum(max(size - count - 1, 0) for count in state.counts))
         source = torch.cat([row_of[:, :1], row_of[:, :-1]], dim=1)
@@ -686,30 +687,26 @@ class SlotDecoder:
         return rows.to(torch.promote_types(rows.dtype, torch.float32)).softmax(dim=-1)
 
     def _scored(self, logits, rows, targets, slot_tokens=None, at=None):
-        """The distributions of the logit `rows` (indices into this forward's `logits`) and the token picked from
-        each: `(probabilities, where, tokens)`, row `i`'s distribution being `probabilities[where[i]]`. The
-        arguments after `rows` are `_probabilities`'."""
-        if self.forward_scores is not None:  # every row of the forward is scored already
-            probabilities, tokens = self.forward_scores
-            return probabilities, rows, tokens[rows]
+        """The distributions of the logit `rows` (indices into this forward's `logits`), one a row, and the token
+        picked from each. The arguments after `rows` are `_probabilities`'."""
         probabilities = self._probabilities(logits[rows], targets, slot_tokens, at)
         tokens, _ = pick_tokens(probabilities, self.settings.mask_token_id, self.settings.do_sample)
-        return probabilities, torch.arange(rows.shape[0], device=self.device), tokens
+        return probabilities, tokens
 
     def _pick(self, logits, rows, targets, slot_tokens=None, at=None):
         """A draft token for each of the logit `rows` (indices into `logits`), and its probability."""
-        probabilities, where, tokens = self._scored(logits, rows, targets, slot_tokens, at)
-        return tokens, probabilities[where, tokens]
+        probabilities, tokens = self._scored(logits, rows, targets, slot_tokens, at)
+        return tokens, probabilities.gather(1, tokens[:, None])[:, 0]
 
     def _ar_check(self, logits, rows, tokens, index, at):
         """`logits[rows[j]]`: the logits scoring the slots' `tokens` at flat position `at[j]`. Returns the model's own
         token at each position and the probability of `tokens` there (1 elsewhere)."""
-        probabilities, where, own = self._scored(logits, rows, index.flatten()[at], tokens, at)
+        probabilities, own = self._scored(logits, rows, index.flatten()[at], tokens, at)
         ar_tokens = tokens.clone()
         ar_tokens.view(-1)[at] = own
         ar_probability = torch.ones(tokens.shape, dtype=probabilities.dtype, device=self.device)
         drafts = tokens.flatten()[at]
-        drafted = probabilities[where, drafts]
+        drafted = probabilities.gather(1, drafts[:, None])[:, 0]
         ar_probability.view(-1)[at] = drafted.masked_fill(drafts == self.settings.mask_token_id, -1)  # not drafted
         return ar_tokens, ar_probability
 

@@ -39,7 +39,6 @@ try:
     )
     from .decisions_refusion import (
         copy_drafts,
-        greedy_distributions,
         score_infill,
         score_plan,
         score_verify,
@@ -59,7 +58,6 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
     )
     from decisions_refusion import (
         copy_drafts,
-        greedy_distributions,
         score_infill,
         score_plan,
         score_verify,
@@ -153,23 +151,22 @@ class SavedForwards:
         if picks_backends and onednn_bfloat16() and not amx_bfloat16(model.device):
             self.rival_attempts = [{**configs, "max_autotune_gemm_backends": "ATEN"}]
         # the decoder's attention masks, scoring, whole infill rounds and copied drafts, compiled ahead of time beside
-        # the forwards (a fused-redraft round's decision stays compiled)
+        # the forwards (sampling's infill decision stays compiled)
         self.steps = dataclasses.replace(
             compiled_steps(),
-            greedy_distributions=SavedStep(greedy_distributions, folder, ({0: "rows"}, None)),
             copy_drafts=SavedStep(copy_drafts, folder, ({0: "text"}, *[{0: "slots"}] * 3, None, None)),
             static_mask=SavedStep(static_mask, folder, (
                 {0: "rows"}, {0: "rows"}, {0: "columns"}, {0: "rows", 1: "columns"}, *[{0: "rows", 1: "width"}] * 4,
                 None,
             )),
             score_infill=SavedStep(score_infill, folder, (
-                {0: "logits"}, *[{0: "slots"}] * 4, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None,
+                {0: "logits"}, *[{0: "slots"}] * 4, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None, None,
             )),
             score_verify=SavedStep(score_verify, folder, (
                 {0: "slots", 1: "width"}, {0: "slots"}, {0: "eos"}, None, {}, {}, {0: "text"}, {0: "slots"}, None,
             )),
             score_plan=SavedStep(score_plan, folder, (
-                {0: "slots", 1: "width"}, {0: "slots"}, None, {}, {0: "text"}, {0: "slots"}, None,
+                {0: "slots", 1: "width"}, {0: "slots"}, {0: "eos"}, None, {}, {0: "text"}, {0: "slots"}, None,
             )),
         )  # fmt: skip
 

@@ -228,8 +228,9 @@ def with_fixed_prices(
     """`settings`, with a price table fixed for the run where they price drafts below `token_threshold` 0.5 with no
     table of their own (where `generate()` refuses a measured one: the drafts then decide what passes, and a timing
     taken mid-run would change the answers): the table a priced decode of `prompts` at 0.5 measures, before the
-    timing, as `generate()` would have measured it."""
-    config = model.generation_config
+    timing, as `generate()` would have measured it. Settings not in `settings` are read from its `generation_config`
+    (else the model's), as `generate()` reads them."""
+    config = settings.get("generation_config") or model.generation_config
     threshold = settings.get("token_threshold", getattr(config, "token_threshold", None))
     schedule = settings.get("draft_schedule", getattr(config, "draft_schedule", None))
     if schedule != "price" or threshold is None or threshold >= 0.5 or "forward_prices" in settings:

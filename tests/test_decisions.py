@@ -14,6 +14,8 @@ from decisions_refusion import (
     greedy_logsumexp,
     leading_complete,
     pick_tokens,
+    score_recheck,
+    score_redraft,
 )
 
 T = torch.tensor
@@ -149,3 +151,28 @@ def test_greedy_logsumexp_picks_what_greedy_distributions_picks_and_gives_its_pr
             tolerance = 1e-12 if dtype == torch.float64 else 1e-6
             assert torch.allclose(from_log[:, others], probabilities[:, others], rtol=tolerance, atol=tolerance)
             assert torch.allclose(from_log.sum(dim=-1), torch.ones(6, dtype=wide.dtype), atol=tolerance * 10)
+
+
+def test_a_redraft_forward_writes_each_drafting_positions_greedy_token_from_its_own_row():
+    tokens = T([[5, 6, 7, 8], [5, 6, 7, 8]])
+    drafting = T([[False, False, True, True], [False, True, True, True]])
+    row_of = T([[0, 0, 1, 2], [0, 3, 4, 5]])  # (rows of positions that draft nothing are never read)
+    logits = torch.zeros(6, 12)
+    logits[torch.arange(6), T([9, 10, 8, 3, 4, 1])] = 5.0
+    logits[1, 11] = 9.0  # the mask token's column (11) is never picked
+    assert score_redraft(logits, tokens, drafting, row_of, 11).tolist() == [[5, 6, 10, 8], [5, 3, 4, 1]]
+
+
+def test_a_recheck_forward_accepts_by_the_authors_rule_from_the_row_before_each_position():
+    """Each position after a slot's first unaccepted one is scored by the row of the position before it; the first
+    unaccepted position passes unchecked; the new counts come with their EOS offsets and the positions scored."""
+    tokens = T([[5, 6, 7, 8], [4, 6, 2, 9]])
+    counts = T([1, 0])
+    row_of = T([[0, 1, 2, 3], [4, 5, 6, 7]])
+    logits = torch.full((8, 12), -20.0)
+    logits[T([1, 2, 4, 5]), T([7, 9, 6, 2])] = 20.0  # slot 0: 7 passes after 6, 8 fails; slot 1: 6 and 2 pass
+    values, scored = score_recheck(logits, tokens, counts, row_of, T([2, -1, -1]), 11, 0.5)
+    assert values.tolist() == [3, 3, 4, 2]  # counts, then EOS offsets (slot 1's accepted 2 at offset 2)
+    assert scored.tolist() == [[False, False, True, True], [False, True, True, True]]
+    expected = accept_reference(counts, T([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]]), 0.5)
+    assert values[:2].tolist() == expected.tolist()

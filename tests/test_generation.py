@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 import compiling_refusion
 import decisions_refusion
+import decoder_refusion
 import executor_refusion
 import generation_refusion
 from decisions_refusion import attention_mask
@@ -276,38 +277,40 @@ def test_eos_ends_the_answer_and_later_slots_are_dropped(model, slot_size):
         dict(slot_size=4, draft_schedule="price", forward_prices={1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3}),
     ],
 )
-def test_scoring_a_forwards_rows_at_once_decides_as_scoring_each_decision(model, frequent_token, monkeypatch, options):
-    """Greedy decoding scores all the rows of a forward once (a plan's, a verify forward's and an infill round's with
-    their decisions: `score_plan`, `score_verify`, `score_infill`);
-    decisions made so equal those that score their own rows (the path of sampling and of processors that read
-    context)."""
+def test_greedy_decoding_scores_each_forward_whole_and_decides_as_scoring_each_decision(
+    model, frequent_token, monkeypatch, options
+):
+    """Greedy decoding scores each forward with one step function of its phase, from the logits to what the host
+    reads (`score_plan`, `score_verify`, `score_infill` with or without `[MASK]` queries, and the authors' rule's
+    `score_redraft` and `score_recheck`); its decisions equal those of the path that scores the rows each decision
+    reads (sampling's, and that of processors that read context)."""
     settings = dict(
         max_new_tokens=24, slot_threshold=0.5, token_threshold=0.4, eos_token_id=[frequent_token], pad_token_id=0,
         return_dict_in_generate=True, **options,
     )  # fmt: skip
     calls = []
-    scored, whole = decisions_refusion.greedy_distributions, decisions_refusion.score_infill
-    verify, plan = decisions_refusion.score_verify, decisions_refusion.score_plan
+
+    def counting(name, function):
+        return lambda *args: calls.append(name) or function(*args)
+
+    steps = decisions_refusion.EAGER_STEPS
     counted = dataclasses.replace(
-        decisions_refusion.EAGER_STEPS,
-        greedy_distributions=lambda *args: calls.append("rows") or scored(*args),
-        score_infill=lambda *args: calls.append("round") or whole(*args),
-        score_verify=lambda *args: calls.append("verify") or verify(*args),
-        score_plan=lambda *args: calls.append("plan") or plan(*args),
+        steps, **{name: counting(name, getattr(steps, name)) for name in ("score_plan", "score_verify", "score_infill")}
     )
     monkeypatch.setattr(compiling_refusion, "EAGER_STEPS", counted)  # (`step_functions` hands it out)
+    for name in ("score_redraft", "score_recheck"):
+        monkeypatch.setattr(decoder_refusion, name, counting(name, getattr(decoder_refusion, name)))
     at_once = model.generate(PROMPT, **settings)
     assert len(calls) == at_once.num_forward_passes
-    fast_rounds = options["slot_size"] > 1 and options.get("infill_mode") != "reference"
-    fast_rounds = fast_rounds and "fused_redraft" not in options  # (no [MASK] queries)
-    assert ("round" in calls) == fast_rounds
-    assert ("verify" in calls) == (options["slot_size"] > 1 and options.get("infill_mode") != "reference")
-    assert ("plan" in calls) == (options["slot_size"] > 1)
+    reference, whole_slots = options.get("infill_mode") == "reference", options["slot_size"] > 1
+    assert ("score_infill" in calls) == (whole_slots and not reference)
+    assert ("score_recheck" in calls) == ("score_redraft" in calls) == reference
+    assert "score_plan" in calls and ("score_verify" in calls) == whole_slots
     created = SlotDecoder.__init__
 
     def each_decision(self, *args, **kwargs):
         created(self, *args, **kwargs)
-        self.score_all_rows = False
+        self.greedy = False
 
     monkeypatch.setattr(SlotDecoder, "__init__", each_decision)
     calls.clear()

@@ -142,12 +142,13 @@ def test_compiled_decodes_copy_through_the_compiled_copies_and_give_the_eager_to
 
     def counted(name):  # the steps that copy drafts, with the number each copies
         def call(*arguments):
-            calls.append((name, arguments[4] if name == "copy_drafts" else arguments[-1]))
+            calls.append((name, arguments[copies_argument[name]]))
             return getattr(compiled, name)(*arguments)
 
         return call
 
-    copying = ("copy_drafts", "score_plan", "score_verify", "score_infill")
+    copies_argument = {"copy_drafts": 4, "score_plan": 7, "score_verify": 8, "score_infill": 10}
+    copying = tuple(copies_argument)
     steps = dataclasses.replace(compiled, **{name: counted(name) for name in copying})
     monkeypatch.setattr(compiling_refusion, "compiled_steps", lambda: steps)
     model = cycling_model("llama")

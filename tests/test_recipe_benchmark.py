@@ -31,6 +31,7 @@ from recipe.decoding import (
     paired_speedup,
     static_cache_length,
     stop_token_ids,
+    with_fixed_prices,
 )
 from recipe.evaluate import Evaluation
 from recipe.metrics import (
@@ -255,6 +256,28 @@ def test_refusion_decode_matches_generate_and_batches_equal_single_prompts():
         assert cut_answer(output.sequences[0, len(prompt) :].tolist(), stop_token_ids(model, tokenizer)) == answer
         forwards += output.num_forward_passes
     assert one_by_one.forwards == forwards
+
+
+@pytest.mark.parametrize("through_config", [False, True])
+def test_priced_settings_below_half_get_a_price_table_fixed_for_the_run(through_config):
+    """`generate()` refuses a measured price table where drafts decide what passes (`token_threshold` < 0.5); a
+    benchmark decodes such settings with the table a decode at 0.5 measures, fixed once, whether the settings come as
+    keywords or in a `generation_config`."""
+    tokenizer = tiny_tokenizer()
+    model, tokenizer = convert_to_refusion(tiny_backbone("llama", vocab_size=len(tokenizer)), tokenizer)
+    model.eval()
+    settings = dict(slot_size=4, block_length=8, token_threshold=0.3, draft_schedule="price")
+    if through_config:
+        config = copy.deepcopy(model.generation_config)
+        config.update(**settings)
+        settings = dict(generation_config=config)
+    prompts = prompt_token_ids(tokenizer, PROMPTS[:2])
+    with pytest.raises(ValueError, match="would let a timing change a greedy answer"):
+        decode(model, tokenizer, prompts, max_new_tokens=8, **{**settings, "forward_prices": None})
+    fixed = with_fixed_prices(model, tokenizer, prompts, 8, settings)
+    assert set(fixed["forward_prices"]) >= {1, 2, 4} and all(price > 0 for price in fixed["forward_prices"].values())
+    assert with_fixed_prices(model, tokenizer, prompts, 8, settings) == fixed  # measured once
+    assert decode(model, tokenizer, prompts, max_new_tokens=8, **settings).answers  # decodes, with the fixed table
 
 
 def test_decode_runs_the_refusion_decoder_a_native_export_carries(tmp_path):

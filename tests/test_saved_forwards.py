@@ -228,8 +228,8 @@ def test_saved_steps_give_the_functions_results_at_every_size_and_later_ones_loa
 def test_a_decode_through_saved_forwards_on_a_cpu_runs_its_masks_and_infill_rounds_from_saved_steps(
     tmp_path, compiles, monkeypatch
 ):
-    """On a CPU a decode through saved forwards takes its attention masks, greedy scoring, greedy plan, verify and
-    infill forwards scored whole and copied drafts from packages kept beside the forwards (`SavedForwards.steps`),
+    """On a CPU a decode through saved forwards takes its attention masks, greedy plan, verify and infill forwards
+    scored whole and copied drafts from packages kept beside the forwards (`SavedForwards.steps`),
     compiled while its forwards are, and decodes the eager tokens."""
     model = sharpened_model("qwen3", scale=4.0)
     calls, call = [], packages_refusion.SavedStep.__call__
@@ -244,16 +244,16 @@ def test_a_decode_through_saved_forwards_on_a_cpu_runs_its_masks_and_infill_roun
     columns = executor_refusion.static_cache_columns(PROMPT.shape[1], 16, 4, 8)
     compiling_refusion.compile_forwards(model, config, 1, columns, compile_cache_dir=tmp_path, lookup_drafts=2)
     whole = {"score_plan", "score_verify", "score_infill"}
-    assert set(calls) == {"static_mask", "greedy_distributions", "copy_drafts", *whole}
+    assert set(calls) == {"static_mask", "copy_drafts", *whole}
     steps = sorted(path.name for path in tmp_path.glob("step-*.pt2"))
-    assert len(steps) == 6
+    assert len(steps) == 5
     calls.clear()
     count = len(compiles)
     saved = model.generate(PROMPT, return_dict_in_generate=True, **dict(settings, compile_config=config,
                                                                          compile_cache_dir=str(tmp_path)))  # fmt: skip
     assert torch.equal(saved.sequences, eager.sequences) and saved.num_forward_passes == eager.num_forward_passes
     assert calls.count("static_mask") == saved.num_forward_passes
-    assert set(calls) <= {"static_mask", "greedy_distributions", "copy_drafts", *whole} and whole <= set(calls)
+    assert set(calls) <= {"static_mask", "copy_drafts", *whole} and whole <= set(calls)
     assert len(compiles) == count  # compile_forwards compiled it all
 
 

@@ -311,27 +311,6 @@ def test_the_compiled_static_mask_is_the_eager_one_and_compiles_up_front(dtype):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def test_the_compiled_scoring_picks_the_eager_tokens_and_compiles_up_front():
-    """Greedy decodes through compiled forwards score each forward's logits through `compiled_steps()`: the same
-    greedy tokens as `greedy_distributions` and its probabilities to float tolerance, from one graph for one row and
-    one for several (`warm_up_steps`), whatever the number of rows."""
-    model = sharpened_model("qwen3", scale=4.0)
-    warm_up_steps(model)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    vocab, mask_token_id = model.get_output_embeddings().weight.shape[0], model.config.mask_token_id
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for rows in (1, 2, 3, 7, 12):
-            logits = 4 * torch.randn(rows, vocab, generator=generator, dtype=model.dtype)
-            logits[0, mask_token_id] = 100.0  # never picked
-            logits[-1, 5] = logits[-1, 9] = logits[-1].max() + 1  # a tie: the first one wins
-            compiled = compiled_steps().greedy_distributions(logits, mask_token_id)
-            eager = decisions_refusion.greedy_distributions(logits, mask_token_id)
-            assert torch.equal(compiled[1], eager[1]) and compiled[1][-1] == 5 and compiled[1][0] != mask_token_id
-            torch.testing.assert_close(compiled[0], eager[0])
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-
-
 def test_the_infill_decision_is_its_parts_and_compiled_is_the_eager_one():
     """`judge_infill` decides as `first_rejected`, `accept_and_correct`, `eos_offsets` and `AcceptanceProfile.add`
     do; compiled (`compiled_steps()`, as decodes through compiled forwards run it) it decides the same, from the
@@ -371,10 +350,11 @@ def test_the_infill_decision_is_its_parts_and_compiled_is_the_eager_one():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def infill_round(generator, slots: int, size: int, vocab: int, mask_token_id: int) -> dict:
+def infill_round(generator, slots: int, size: int, vocab: int, mask_token_id: int, fused: bool = False) -> dict:
     """A random greedy infill round as `SlotDecoder` lays one out: each slot's accepted tokens (its last one fresh),
     then drafts (some the mask token) of which a window is queried, and the forward's logits: the fresh tokens' rows,
-    then the queried drafts' (row-major); the text the slots sit in, for copied drafts."""
+    (`fused`: then a `[MASK]` query's for each checked position,) then the queried drafts' (row-major); the text the
+    slots sit in, for copied drafts."""
     counts = torch.randint(1, size, (slots,), generator=generator)
     stored = torch.minimum(counts - 1, torch.randint(0, size, (slots,), generator=generator))
     until = torch.minimum(counts + torch.randint(1, size, (slots,), generator=generator), torch.tensor(size))
@@ -384,7 +364,7 @@ def infill_round(generator, slots: int, size: int, vocab: int, mask_token_id: in
     queried = checked & (offsets < until[:, None] - 1)
     tokens = torch.randint(0, 12, (slots, size), generator=generator)
     tokens = tokens.masked_fill(torch.rand(slots, size, generator=generator) < 0.2, mask_token_id)
-    rows = int(fresh.sum() + queried.sum())
+    rows = int(fresh.sum() + queried.sum() + (checked.sum() if fused else 0))
     logits = 3 * torch.randn(rows, vocab, generator=generator, dtype=torch.float64)
     logits[:, :12] += 4  # the slots' tokens are likely
     text = torch.randint(0, 12, (slots * size + 20,), generator=generator)
@@ -406,29 +386,39 @@ def warmed_up_scoring() -> tuple:
 def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager():
     """`score_infill` decides as the decoder's parts do, written out position by position: each checked position is
     scored by the row of the position before it (the fresh tokens' rows, then the queried drafts'); the model's own
-    token and the draft's probability from `greedy_distributions` go to `judge_infill`, then `copy_drafts`. Compiled,
-    it decides the same from the graphs `warm_up_steps` compiled."""
+    token and the draft's probability from `greedy_distributions` go to `judge_infill`, with, where the round is
+    fused, the greedy token of each checked position's own `[MASK]` query (rows between the fresh and the queried
+    ones) as its redraft; then `copy_drafts`. Compiled, it decides the same from the graphs `warm_up_steps`
+    compiled."""
     model, vocab, mask_token_id, graphs = warmed_up_scoring()
     generator = torch.Generator().manual_seed(11)
     eos = torch.tensor([3, -1, -1])
     threshold = torch.tensor(0.4, dtype=torch.float64)  # as the decoder passes it (`SlotDecoder.token_threshold`)
     with torch.no_grad():
-        for case in range(30):
+        for case in range(36):
             slots, size, drafts = 1 + case % 3, (4, 8)[case % 2], (0, 3)[case % 4 // 2]
-            round_ = infill_round(generator, slots, size, vocab, mask_token_id)
+            fused = not drafts and case % 5 < 2  # (`fused_redraft` queries no copied drafts)
+            round_ = infill_round(generator, slots, size, vocab, mask_token_id, fused)
             round_["logits"] = round_["logits"].to(model.dtype)
             tokens, logits = round_["tokens"], round_["logits"]
             probabilities, greedy = decisions_refusion.greedy_distributions(logits, mask_token_id)
-            order = [*round_["fresh"].flatten().nonzero()[:, 0], *round_["queried"].flatten().nonzero()[:, 0]]
-            row_of = {int(position): row for row, position in enumerate(order)}
+            checked = round_["checked"].flatten().nonzero()[:, 0] if fused else []
+            order = [*round_["fresh"].flatten().nonzero()[:, 0], *checked, *round_["queried"].flatten().nonzero()[:, 0]]
+            fresh_rows = int(round_["fresh"].sum())
+            row_of = {int(position): row for row, position in enumerate(order) if not fresh_rows <= row < fresh_rows
+                      + len(checked)}  # fmt: skip
+            mask_row_of = {int(position): fresh_rows + row for row, position in enumerate(checked)}
             ar_tokens, ar_probability = tokens.clone(), torch.ones(tokens.shape, dtype=probabilities.dtype)
+            redrafts = tokens.clone() if fused else None
             for slot, offset in round_["checked"].nonzero().tolist():
                 row = row_of[slot * size + offset - 1]
                 ar_tokens[slot, offset] = greedy[row]
                 draft = int(tokens[slot, offset])
                 ar_probability[slot, offset] = -1 if draft == mask_token_id else probabilities[row, draft]
+                if fused:
+                    redrafts[slot, offset] = greedy[mask_row_of[slot * size + offset]]
             expected = judge_infill(tokens, round_["counts"], round_["until"], round_["checked"], ar_probability,
-                                    ar_tokens, None, eos, 0.4)  # fmt: skip
+                                    ar_tokens, redrafts, eos, 0.4)  # fmt: skip
             values = [expected[1], expected[2]]
             new_tokens = expected[0]
             if drafts:
@@ -438,7 +428,7 @@ def test_an_infill_round_scored_whole_decides_as_its_parts_and_compiled_as_eager
             values.append(check_counts(expected[3]))  # the check's drafts offered and accepted, for the host
             arguments = (
                 logits, tokens, round_["stored"], round_["counts"], round_["until"], eos, mask_token_id, threshold,
-                round_["text"], round_["at"], drafts,
+                round_["text"], round_["at"], drafts, fused,
             )  # fmt: skip
             for scored in (decisions_refusion.score_infill(*arguments), compiled_steps().score_infill(*arguments)):
                 assert torch.equal(scored[0], torch.cat(values)), case
@@ -491,13 +481,14 @@ def test_a_verify_forward_scored_whole_decides_as_its_parts_and_compiled_as_eage
 
 def test_a_plan_scored_whole_picks_and_chooses_as_its_parts_and_compiled_as_eager():
     """`score_plan` drafts and chooses as the decoder's parts do: each slot's greedy drafts and the probability of its
-    first from `greedy_distributions`, `choose_slots`, then `copy_drafts` after the first token. Compiled, it decides
-    the same from the graphs `warm_up_steps` compiled."""
+    first from `greedy_distributions`, `choose_slots` (and for one-token slots which drafts are EOS), then
+    `copy_drafts` after the first token. Compiled, it decides the same from the graphs `warm_up_steps` compiled."""
     model, vocab, mask_token_id, graphs = warmed_up_scoring()
     generator = torch.Generator().manual_seed(13)
     with torch.no_grad():
-        for case in range(16):
-            slots, size, copies = 1 + case % 3, (4, 8)[case % 2], (0, 3)[case % 4 // 2]
+        for case in range(20):
+            slots, size = 1 + case % 3, 1 if case >= 16 else (4, 8)[case % 2]  # (one-token slots last)
+            copies = (0, 3)[case % 4 // 2] if size > 1 else 0
             width, threshold = (1, size)[case % 8 // 4], (0.9, 0.3)[case % 3 == 0]
             drafts = torch.randint(0, 12, (slots, size), generator=generator)
             logits = 3 * torch.randn(slots, width, vocab, generator=generator, dtype=torch.float64)
@@ -509,12 +500,16 @@ def test_a_plan_scored_whole_picks_and_chooses_as_its_parts_and_compiled_as_eage
             expected = drafts.clone()
             expected[:, :width] = greedy.view(slots, width)
             first = probabilities.gather(1, greedy[:, None])[:, 0].view(slots, width)[:, 0]
+            eos = torch.tensor([int(greedy[0]), -1, -1])  # (the first slot's draft is an EOS)
             values = [choose_slots(first, threshold).long()]
+            if size == 1:  # one-token slots: which drafts are EOS
+                values.append(torch.isin(expected[:, 0], eos).long())
             if copies:
                 ones = torch.ones(slots, dtype=torch.long)
                 expected, found = decisions_refusion.copy_drafts(text, at, expected, ones, copies, mask_token_id)
                 values.append(found)
-            arguments = (logits, drafts, mask_token_id, torch.tensor(threshold, dtype=torch.float64), text, at, copies)
+            arguments = (logits, drafts, eos, mask_token_id, torch.tensor(threshold, dtype=torch.float64), text, at,
+                         copies)  # fmt: skip
             for decided in (decisions_refusion.score_plan(*arguments), compiled_steps().score_plan(*arguments)):
                 assert torch.equal(decided[0], torch.cat(values)) and torch.equal(decided[1], expected), case
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
