@@ -37,6 +37,14 @@ This file is the entry point (`generate`, `refusion_generate`); the work is in i
 They use torch and transformers only. Saved ReFusion folders carry them in `custom_generate/` (this file as
 `generate.py`), so that its `generate(model, ...)` decodes any supported causal LM that has a mask token:
 `model.generate(input_ids, custom_generate="<folder or Hub repo>", trust_remote_code=True)`.
+
+What a decode keeps on the model between calls, all of it caches that only save time (a decode without them gives
+the same tokens): the compiled backbone of the last `compile_config` (`model._refusion_compiled`), the static cache
+(`model._refusion_slot_cache`; `del` frees it), the forward price tables and which were measured in this process
+(`model._refusion_prices`, `model._refusion_prices_measured`), the prompt forward's measured cost per width bucket
+(`model._refusion_prompt_prices`), and on a CPU the linear layers' prepacked weights (`kernels_refusion`). Nothing
+else is written to the model (a draft adapter's gate, `adapter_refusion`, is its latest forward's and is set anew by
+each).
 """
 
 import contextlib
