@@ -272,10 +272,9 @@ class SlotDecoder:
         self.steps = steps or EAGER_STEPS  # compiled with the forwards (`compiled_steps()`) or not
         self.processors, self.watcher = processors or lp.LogitsProcessorList(), watcher
         self.context_free = all(isinstance(processor, CONTEXT_FREE) for processor in self.processors)
-        # Greedy decoding with no processor that reads the tokens before a position scores each forward whole, from
-        # its logits to what the host reads, in one step function of the phase (`score_plan`, `score_verify`,
-        # `score_infill`, `score_redraft`, `score_recheck`); sampling, or such a processor, scores the rows each
-        # decision reads (`_pick`, `_ar_check`).
+        # Greedy decoding with no processor that reads earlier tokens scores each forward whole, logits to host values,
+        # in one step function a phase (`score_plan`, `score_verify`, `score_infill`, `score_redraft`, `score_recheck`);
+        # sampling, or such a processor, scores the rows each decision reads (`_pick`, `_ar_check`).
         self.greedy = not settings.do_sample and self.context_free
         # (a 0-d tensor, as step functions compiled ahead of time take it: one package serves every threshold)
         self.token_threshold = torch.tensor(settings.token_threshold, dtype=torch.float64, device=self.device)
@@ -590,12 +589,12 @@ class SlotDecoder:
 
     def _score_redraft(self, phase: Phase, logits: torch.Tensor) -> torch.Tensor:
         state, reference = phase.state, phase.forward
-        drafting, index = reference.drafting, reference.index
         if self.greedy:
-            drafting_mask = self.offsets >= reference.counts[:, None]
+            drafting_mask = self.offsets >= reference.counts[:, None]  # (as `_redraft_queries` found the positions)
             reference.tokens = score_redraft(self._processed(logits), state.tokens, drafting_mask, reference.row_of,
                                              self.settings.mask_token_id)  # fmt: skip
             return reference.tokens.new_zeros(0)
+        drafting, index = reference.drafting, reference.index
         tokens = state.tokens.clone()
         picked = self._pick(logits, reference.row_of.flatten()[drafting], index.flatten()[drafting], state.tokens,
                             drafting)[0]  # fmt: skip
