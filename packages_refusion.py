@@ -4,21 +4,18 @@
 with AOTInductor into a package in the folder and loads it in later processes instead of compiling. Packages are built
 under partial names and renamed when whole, checked against a digest when loaded and rebuilt when damaged
 (`load_or_build_package`). `SavedStep` does the same for the decode's step functions. This module reaches into
-torch's AOTInductor runtime where no public API does the job (`PackageRunner`, `SharedWeights`); each such use has a
-fallback that keeps decoding, slower, with one warning. Only `compiling_refusion.compiled_backbone` imports it, and
+torch's AOTInductor runtime in one place, where no public API does the job (`PackageRunner`), with a fallback that
+keeps decoding, slower, with one warning. Only `compiling_refusion.compiled_backbone` imports it, and
 only for a decode that asked for saved forwards.
 """
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import json
 import os
 import re
-import tempfile
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,12 +65,6 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
 
 logger = logging.get_logger(__name__)
 
-# On some CPUs the saved forwards of up to `WINDOW_WIDTH` new tokens keep their weights outside their code, so that
-# they run from one copy of them (`SavedForwards`, `SharedWeights`): inductor's configs for that.
-WEIGHTS_APART = {
-    "aot_inductor.package_constants_in_so": False,
-    "aot_inductor.package_constants_on_disk_format": "binary_blob",
-}
 SHAPES_REMEMBERED = 1024  # a `SavedStep`'s runners by exact input shapes (the text's length varies by prompt)
 # Where a saved forward is compiled two ways and the faster kept (`SavedForwards`), each runs this many times in turn
 # on the forward's own inputs, the first of each untimed.
@@ -105,13 +96,9 @@ class SavedForwards:
     autotuning takes oneDNN's packed product for the wider forwards, which the template alone would make dearer.
 
     On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of up to `WINDOW_WIDTH` new tokens take
-    their products from inductor's C++ template alone (there autotuning takes it for each width anyway; left to
-    choose for a width it does not know, it took oneDNN's, the slower) and keep their weights outside their code
-    (`WEIGHTS_APART`), where the template's packed layout does not depend on the width: the packages run from one copy
-    of the weights (`SharedWeights`), so that a decode alternating widths does not evict one package's weights from
-    the processor's caches with another's. Run in turn as a decode runs them, the narrow forwards so cost less than
-    from one package of dynamic width (one query padded to two) or from packages each with a copy of its own, with
-    the same logits.
+    their products from inductor's C++ template alone: there autotuning takes it for each width anyway, but left to
+    choose for a width it does not know it took oneDNN's, the slower. Each package holds its own copy of the (packed)
+    weights, as everywhere.
 
     On a CPU with oneDNN's bfloat16 kernels but no AMX (AVX512-BF16 alone), autotuned forwards with frozen weights of up
     to `WINDOW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
@@ -139,13 +126,8 @@ class SavedForwards:
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
-        # the inductor configs of the narrow widths' packages, whose weights are shared, in turn; None: compiled as
-        # the others are, each with weights of its own
-        self.narrow_attempts = None
-        if amx_bfloat16(model.device) and autotuned and self.logits_width >= WINDOW_WIDTH \
-                and configs.get("max_autotune_gemm_backends", "CPP") == "CPP":  # fmt: skip
-            self.narrow_attempts = [{**attempt, **WEIGHTS_APART} for attempt in template_first(configs)]
-        self.weights = SharedWeights()
+        # the inductor configs of the packages of up to `WINDOW_WIDTH` new tokens, in turn; None: as the others'
+        self.narrow_attempts = template_first(configs) if picks_backends and amx_bfloat16(model.device) else None
         # the inductor configs a narrow width's package races against, in turn; None: compiled as configured alone
         self.rival_attempts = None
         if picks_backends and onednn_bfloat16() and not amx_bfloat16(model.device):
@@ -197,31 +179,23 @@ class SavedForwards:
         return self.folder / f"{hashlib.sha256(self.key(shape).encode()).hexdigest()[:32]}.pt2"
 
     @property
-    def shares_weights(self) -> bool:
-        """Whether the forwards of up to `WINDOW_WIDTH` new tokens run from one copy of the weights."""
-        return self.narrow_attempts is not None
-
-    @property
     def kind(self) -> str:
         """The forwards' path as a price table's key names it (`price_key`)."""
-        shared = f", widths up to {WINDOW_WIDTH} sharing their weights" if self.shares_weights else ""
-        return f"saved (AOTInductor){shared}"
+        return "saved (AOTInductor)"
 
     def load_or_compile(self, shape: tuple[int, int, int, int], inputs: tuple, cache: "SlotCache"):
         """The runner of the package of forwards of `shape`, loaded, or compiled first (from `inputs`, over `cache`)."""
-        shared = self.shares_weights and shape[1] <= WINDOW_WIDTH
+        narrow = self.narrow_attempts is not None and shape[1] <= WINDOW_WIDTH
 
         def build(package_path: str):
             head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
             backbone = ExportedBackbone(self.model.get_decoder(), cache, shape[3], head)
             exported = torch.export.export(backbone, inputs, strict=False)
-            compile_package(exported, shape, self.narrow_attempts if shared else self.attempts, package_path)
+            compile_package(exported, shape, self.narrow_attempts if narrow else self.attempts, package_path)
             if self.rival_attempts and shape[1] <= WINDOW_WIDTH:
                 self.keep_faster(exported, shape, inputs, package_path)
 
-        flat = [*inputs[:4], *inputs[4], *inputs[5]]
-        load = functools.partial(self.weights.load, inputs=flat) if shared else load_forward
-        return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load)
+        return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load_forward)
 
     def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
         """Compile the forward `exported` again with `rival_attempts` beside the package at `package_path` and leave
@@ -520,111 +494,6 @@ def write_package_digest(path: Path, key: str, digest: str) -> None:
                        "next process will compile the package again.")  # fmt: skip
     finally:
         partial.unlink(missing_ok=True)
-
-
-class SharedWeights:
-    """One copy in memory of the weights of AOTInductor packages compiled with their weights outside their code
-    (`WEIGHTS_APART`: a `.blob` of every constant, laid out as the package's C++ wrapper lists them). `load` runs a
-    package from the copies of constants that earlier packages loaded where they are the same byte for byte (by name,
-    dtype, shape and strides), and keeps its others for later ones. Packages of one frozen model that differ in the
-    width of their forwards hold the same folded weights (inductor's C++ GEMM template packs them alike whatever the
-    row count): they then run from one copy. The first package loaded so runs once on a forward's inputs both ways,
-    from the constants read here and with its own loader's, and must give the same outputs bit for bit (the reading
-    rests on AOTInductor's layout of the blob, which no API states); where it does not, it and every later package
-    load with weights of their own, with a warning, as does a package whose constants cannot be read so."""
-
-    dtypes = {
-        "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-        "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-        "bool": torch.bool,
-    }  # fmt: skip
-
-    def __init__(self):
-        self.kept = {}  # (name, dtype, shape, strides) -> (the constant's bytes, the constant)
-        self.checked = False  # whether a package ran from constants read here as from its loader's own
-        self.refused = False  # whether one ran otherwise: then none shares
-
-    def load(self, path: Path, inputs: list[torch.Tensor]):
-        """The runner of the package at `path` (its `boxed_run` takes the flat inputs), over shared constants;
-        `inputs` are a forward's own flat inputs (they write what it will write), for the first package's check."""
-        if self.refused:
-            return load_forward(path)
-        try:  # (a package that does not load at all fails again below, and is compiled again)
-            with tempfile.TemporaryDirectory() as folder:
-                with zipfile.ZipFile(path) as archive:
-                    archive.extractall(folder)
-                (code,), (blob,), (wrapper,) = (list(Path(folder).rglob(f"*.{end}")) for end in
-                                                ("wrapper.so", "wrapper_weights.blob", "wrapper.cpp"))  # fmt: skip
-                runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(code), 1)  # (loaded: the files may go)
-                data = torch.empty(blob.stat().st_size, dtype=torch.uint8)
-                with blob.open("rb") as file:
-                    if file.readinto(data.numpy()) != data.numel():
-                        raise ValueError(f"{blob.name} was read short")
-                constants = package_constants(wrapper.read_text(), data)
-            if set(constants) != set(runner.get_constant_names_to_dtypes()):
-                raise ValueError("the constants listed by the wrapper are not the package's")
-            shared = {}
-            for name, (raw, tensor) in constants.items():
-                key = (name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-                kept = self.kept.get(key)
-                if kept is None or not torch.equal(kept[0], raw):
-                    kept = self.kept[key] = (raw, tensor)
-                shared[name] = kept[1]
-            runner.update_constant_buffer(shared, False, True, True)  # active buffer, every constant, user-managed
-            if not self.checked:
-                self.check(runner, path, inputs)
-        except Exception as error:
-            logger.warning(f"The saved forward {path} does not run from weights shared with other widths' "
-                           f"({type(error).__name__}: {str(error)[:300]}); it loads with its own.")  # fmt: skip
-            return load_forward(path)
-        return SharedWeightsRunner(runner, shared)
-
-    def check(self, runner, path: Path, inputs: list[torch.Tensor]) -> None:
-        """Run `runner` (the package at `path` over constants read here) and the package with its own loader's on
-        `inputs`; where their outputs differ, share no weights from now on (a ValueError)."""
-        own = load_forward(path).boxed_run(list(inputs))
-        if not all(torch.equal(mine, theirs) for mine, theirs in zip(runner.run(list(inputs)), own)):
-            self.refused, self.kept = True, {}
-            raise ValueError("its outputs from the weights as read here differ from its own loader's; no package will "
-                             "share weights")  # fmt: skip
-        self.checked = True
-
-
-class SharedWeightsRunner:
-    """An AOTInductor package's runner over constants it does not own (`SharedWeights`): holds them while it runs."""
-
-    def __init__(self, runner, constants: dict[str, torch.Tensor]):
-        self.runner, self.constants = runner, constants
-
-    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.runner.run(inputs)
-
-
-def package_constants(wrapper: str, blob: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The constants of an AOTInductor package kept apart from its code (`WEIGHTS_APART`), by name: each its bytes in
-    `blob` (the package's weights file, read as bytes) and the tensor over them, as `wrapper` (the package's C++
-    wrapper source, whose `constants_info_` lists each constant's dtype, byte size, shape, strides and offset, in the
-    blob's order, each padded to 64 bytes) describes them. A ValueError where they do not fill the blob."""
-    fields = {}
-    for index, name, value in re.findall(r"constants_info_\[(\d+)\]\.(\w+) = (.*);", wrapper):
-        fields.setdefault(int(index), {})[name] = value.strip('"')
-    constants, start = {}, 0
-    for index in sorted(fields):
-        info = fields[index]
-        if info["from_folded"] != "false" or info["device_type"] != "cached_torch_device_type_cpu":
-            raise ValueError(f"constant {info['name']} is not a CPU weight of the blob")
-        size = int(info["data_size"])
-        raw = blob[start : start + size]
-        if raw.numel() != size:
-            raise ValueError(f"the weights file ends before constant {info['name']}")
-        dtype = SharedWeights.dtypes[info["dtype"].removeprefix("cached_torch_dtype_")]
-        shape, strides = ([int(value) for value in re.findall(r"-?\d+", info[what])] for what in ("shape", "stride"))
-        typed = raw.view(dtype)
-        constants[info["name"]] = raw, typed.as_strided(shape, strides, typed.storage_offset() + int(info["offset"]))
-        start += -(-size // 64) * 64
-    if not constants or start < blob.numel():
-        raise ValueError(f"the wrapper lists {start} bytes of constants for a weights file of {blob.numel()}")
-    return constants
 
 
 class StepModule(torch.nn.Module):

@@ -122,7 +122,7 @@ def test_hub_files_import_only_torch_transformers_and_each_other():
     allowed |= {"functools"}  # and the compiled step functions, made once (`compiled_steps`)
     allowed |= {"inspect"}  # and the saved forwards' key: the file of a registered attention function
     allowed |= {"array"}  # and host lists read into tensors through a buffer (`upload`)
-    allowed |= {"re", "tempfile", "zipfile"}  # and saved forwards' weights read from their packages (`SharedWeights`)
+    allowed |= {"re"}  # and the names of packages' partial files (`remove_stale_partials`)
     allowed |= {"contextlib", "threading"}  # and a kept static cache held by one decode at a time (`SlotCache.claimed`)
     for name in HUB_FILES:
         tree = ast.parse((ROOT / name).read_text())

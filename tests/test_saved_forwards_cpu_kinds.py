@@ -1,20 +1,15 @@
 """Saved forwards' choices by kind of CPU (`packages_refusion.SavedForwards`): GEMM templates where they have kernels,
-a package raced against oneDNN's where AMX is missing, the narrow widths run from one copy of the weights where AMX is
-there, and the weights read from each package checked. The CPU kinds are simulated on any CPU."""
+a package raced against oneDNN's where AMX is missing, the narrow widths with the GEMM template alone where AMX is
+there. The CPU kinds are simulated on any CPU."""
 
-import tempfile
-import zipfile
 from pathlib import Path
 
-import pytest
 import torch
 from test_generation import PROMPT, sharpened_model
 from test_saved_forwards import SETTINGS, compile_config
 from test_static_cache import causal_forward
 
-import executor_refusion
 import packages_refusion
-import prices_refusion
 from compiling_refusion import compiled_backbone
 from packages_refusion import SavedForwards, digest_path
 
@@ -115,12 +110,12 @@ def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configu
     assert SavedForwards(model, autotuned, tmp_path).rival_attempts is None
 
 
-def test_on_a_cpu_with_amx_the_narrow_widths_run_from_one_copy_of_the_weights(tmp_path, monkeypatch, caplog):
+def test_on_a_cpu_with_amx_the_narrow_widths_take_the_gemm_template_alone(tmp_path, monkeypatch):
     """With AMX, autotuned packages with frozen weights of up to `WINDOW_WIDTH` new tokens are a package a width
-    compiled with the C++ GEMM template alone and their weights outside their code, and run from one copy of them:
-    each width gives the eager logits, a later process loads them sharing again, and price tables key on the
-    sharing. Wider forwards keep weights of their own. Without AMX, with named backends, unfrozen or not autotuned:
-    weights in each package."""
+    compiled with the C++ GEMM template alone (autotuning free to choose took oneDNN's slower product for widths it did
+    not know), each holding its weights, as every package does: each width gives the eager logits and a later process
+    loads them. Wider forwards take the backends they take elsewhere on this CPU. Without AMX, with named backends,
+    unfrozen or not autotuned: no narrow choice."""
     configs, compile_package = [], torch._inductor.aoti_compile_and_package
 
     def recorded(exported, package_path, inductor_configs):
@@ -130,6 +125,7 @@ def test_on_a_cpu_with_amx_the_narrow_widths_run_from_one_copy_of_the_weights(tm
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
     monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
+    monkeypatch.setattr(packages_refusion, "onednn_bfloat16", lambda: True)
     model = sharpened_model("qwen2", scale=4.0).float()
     autotuned = compile_config(freezing=True, max_autotune=True)
     ids = torch.arange(3, 3 + 6 + 16)[None]
@@ -139,134 +135,18 @@ def test_on_a_cpu_with_amx_the_narrow_widths_run_from_one_copy_of_the_weights(tm
         for width in (1, 2, 4, 8, 16):
             output, logits = causal_forward(model, saved, width)
             torch.testing.assert_close(logits, eager[:, 6 : 6 + width], rtol=1e-4, atol=1e-4)
-        narrow = [saved.runners[1, width, 128, 128] for width in (1, 2, 4, 8)]
-        assert all(isinstance(runner, packages_refusion.SharedWeightsRunner) for runner in narrow)
-        assert not isinstance(saved.runners[1, 16, 128, 128], packages_refusion.SharedWeightsRunner)
-        # a constant alike in two packages (name, shape, strides, values) is one tensor; which the template packs alike
-        # depends on the CPU's blocking (for this model, on an AMX Xeon all but a few of 8 rows', on an AVX2 Zen 2 all
-        # but a few of 4 rows'), but most are
-        first = narrow[0].constants
-        for runner in narrow:
-            for name, tensor in runner.constants.items():
-                kept = first.get(name)
-                alike = kept is not None and kept.shape == tensor.shape and kept.stride() == tensor.stride()
-                assert (tensor is kept) == (alike and torch.equal(tensor, kept)), name
-        assert all(sum(runner.constants[name] is first.get(name) for name in runner.constants) > len(first) / 2
-                   for runner in narrow)  # fmt: skip
-        distinct = {id(tensor) for runner in narrow for tensor in runner.constants.values()}
-        assert len(saved.weights.kept) == len(distinct) < 2 * len(first)
-    # (the wide package takes the backends it takes elsewhere on this CPU: `test_autotuned_frozen_packages_...`)
-    assert (
-        [(c.get("max_autotune_gemm_backends"), c.get("aot_inductor.package_constants_in_so")) for c in configs[:4]]
-        == [("CPP", False)] * 4
-        and len(configs) == 5
-        and "aot_inductor.package_constants_in_so" not in configs[4]
-    )
-    assert "does not run from weights shared" not in caplog.text
-    cache = executor_refusion.SlotCache(model, 1, 128)
-    assert "sharing their weights" in prices_refusion.price_key(model, cache, autotuned, saved=saved.kind)
+    assert [c.get("max_autotune_gemm_backends") for c in configs] == ["CPP"] * 4 + [None]
+    assert not any(key.startswith("aot_inductor.package_constants") for c in configs for key in c)
 
     for config in (compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="ATEN,CPP"),
                    compile_config(freezing=True), compile_config(max_autotune=True)):  # fmt: skip
-        assert not SavedForwards(model, config, tmp_path).shares_weights
-    named = compile_config(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
-    assert SavedForwards(model, named, tmp_path).shares_weights
+        assert SavedForwards(model, config, tmp_path).narrow_attempts is None
     monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: False)
-    assert not SavedForwards(model, autotuned, tmp_path).shares_weights and saved.kind != SavedForwards(
-        model, autotuned, tmp_path).kind  # fmt: skip
-
-
-def test_shared_weights_are_the_package_s_own_constants_and_a_package_they_do_not_fit_loads_alone(
-    tmp_path, monkeypatch, caplog
-):
-    """The constants read from a package's weights file by its wrapper's listing are the ones its own loader reads
-    (each of a unique name), byte for byte; a package whose listing does not fit (another layout) loads with weights
-    of its own, with a warning, and gives the same logits."""
-    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
-    model = sharpened_model("llama", scale=4.0).float()
-    autotuned = compile_config(freezing=True, max_autotune=True)
-    saved = SavedForwards(model, autotuned, tmp_path)
-    output, shared_logits = causal_forward(model, saved, 2)
-    path = saved.path((1, 2, 128, 128))
-    with tempfile.TemporaryDirectory() as folder:  # the package's own reading of its weights file
-        zipfile.ZipFile(path).extractall(folder)
-        (code,), (blob,) = (list(Path(folder).rglob(f"*.{end}")) for end in ("wrapper.so", "wrapper_weights.blob"))
-        reference = torch._C._aoti.AOTIModelContainerRunnerCpu(str(code), 1)
-        reference.update_constant_buffer_from_blob(str(blob))
-        constants = reference.extract_constants_map(False)
-    listed = {}
-    for name, fqn in reference.get_constant_names_to_original_fqns().items():
-        listed.setdefault(fqn, []).append(name)
-    # (the template's packed weights may share one original name, by which the runner's map keys them)
-    unique = {fqn: names[0] for fqn, names in listed.items() if len(names) == 1}
-    runner = saved.runners[1, 2, 128, 128]
-    assert unique and set(runner.constants) == set(reference.get_constant_names_to_original_fqns())
-    for fqn, name in unique.items():
-        assert torch.equal(constants[fqn], runner.constants[name]), name
-
-    other = SavedForwards(model, autotuned, tmp_path)
-    monkeypatch.setattr(packages_refusion, "package_constants", lambda wrapper, blob: {})
-    output, alone_logits = causal_forward(model, other, 2)
-    assert not isinstance(other.runners[1, 2, 128, 128], packages_refusion.SharedWeightsRunner)
-    assert "does not run from weights shared" in caplog.text
-    assert torch.equal(alone_logits, shared_logits)
-    assert not other.weights.refused  # (a package that cannot be read stops only itself)
-
-
-def test_weights_read_in_the_wrong_places_are_caught_by_the_first_package(tmp_path, monkeypatch, caplog):
-    """Where the reading of a package's weights file goes wrong in a way its sizes do not show (two constants of one
-    shape swapped), the first package's check against its own loader catches it: that package and every later one
-    load with weights of their own, with a warning, and give the eager logits."""
-    monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
-    read = packages_refusion.package_constants
-
-    def swapped(wrapper, blob):
-        constants = read(wrapper, blob)
-        tensors = {name: tensor for name, (raw, tensor) in constants.items() if tensor.dtype.is_floating_point}
-        names = list(tensors)
-        first, second = next(
-            (a, b) for i, a in enumerate(names) for b in names[i + 1 :]
-            if tensors[a].shape == tensors[b].shape and not torch.equal(tensors[a], tensors[b])
-        )  # fmt: skip
-        constants[first], constants[second] = constants[second], constants[first]
-        return constants
-
-    monkeypatch.setattr(packages_refusion, "package_constants", swapped)
-    model = sharpened_model("llama", scale=4.0).float()
-    eager = model(input_ids=torch.arange(3, 3 + 6 + 4)[None]).logits
-    saved = SavedForwards(model, compile_config(freezing=True, max_autotune=True), tmp_path)
-    for width in (2, 4):
-        output, logits = causal_forward(model, saved, width)
-        torch.testing.assert_close(logits, eager[:, 6 : 6 + width], rtol=1e-4, atol=1e-4)
-        assert not isinstance(saved.runners[1, width, 128, 128], packages_refusion.SharedWeightsRunner)
-    assert saved.weights.refused and caplog.text.count("differ from its own loader's") == 1
-
-
-def test_package_constants_refuses_a_listing_that_does_not_fill_the_weights_file():
-    wrapper = "\n".join(
-        f"    constants_info_[{index}].{field} = {value};"
-        for index, (name, size, shape) in enumerate([("a", 8, "{2}"), ("b", 16, "{2, 2}")])
-        for field, value in [
-            ("name", f'"{name}"'), ("dtype", "cached_torch_dtype_float32"),
-            ("device_type", "cached_torch_device_type_cpu"), ("offset", "0"), ("data_size", str(size)),
-            ("from_folded", "false"), ("shape", shape),
-            ("stride", "{1}" if name == "a" else "{2, 1}"),
-        ]
-    )  # fmt: skip
-    values = torch.arange(6, dtype=torch.float32)
-    blob = torch.zeros(64 + 16, dtype=torch.uint8)
-    blob[:8] = values[:2].view(torch.uint8)
-    blob[64:] = values[2:].view(torch.uint8)
-    constants = packages_refusion.package_constants(wrapper, blob)
-    assert torch.equal(constants["a"][1], values[:2]) and torch.equal(constants["b"][1], values[2:].view(2, 2))
-    with pytest.raises(ValueError, match="ends before"):
-        packages_refusion.package_constants(wrapper, blob[:70])
-    with pytest.raises(ValueError, match="lists 128 bytes"):
-        packages_refusion.package_constants(wrapper, torch.zeros(200, dtype=torch.uint8))
+    assert SavedForwards(model, autotuned, tmp_path).narrow_attempts is None
 
 
 def test_a_priced_decode_on_an_amx_cpu_runs_one_query_forwards_from_their_own_package(tmp_path, monkeypatch):
-    """Where the narrow widths' packages share their weights (AMX), a priced decode runs its one-query forwards from a
+    """On an AMX CPU (the narrow widths' packages compiled apart), a priced decode runs its one-query forwards from a
     one-query package (no padding to two), with the eager tokens."""
     monkeypatch.setattr(packages_refusion, "amx_bfloat16", lambda device: True)
     model = sharpened_model("qwen2", scale=4.0).float()
@@ -281,5 +161,4 @@ def test_a_priced_decode_on_an_amx_cpu_runs_one_query_forwards_from_their_own_pa
                            compile_cache_dir=str(tmp_path), **settings)  # fmt: skip
     assert torch.equal(saved.sequences, eager.sequences)
     backbone = compiled_backbone(model, config, tmp_path)
-    assert backbone.shares_weights and 1 in widths
-    assert isinstance(backbone.runners[1, 1, 128, 128], packages_refusion.SharedWeightsRunner)
+    assert backbone.narrow_attempts is not None and 1 in widths and (1, 1, 128, 128) in backbone.runners
