@@ -14,12 +14,13 @@ Flash-attention and flex-attention are refused: the former treats non-monotone p
 sequences and would silently change attention.
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers import AutoModel, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 try:
@@ -28,14 +29,14 @@ try:
     from .generation_refusion import RefusionGenerateOutput, write_custom_generate
     from .generation_refusion import generate as slot_generate
     from .kernels_refusion import prepack_linears, unpack_linears, use_grouped_attention
-    from .settings_refusion import check_model, documents_settings
+    from .settings_refusion import check_model, documents_settings, fastest_settings
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from adapter_refusion import DraftAdapterSettings, add_draft_adapter
     from configuration_refusion import RefusionConfig
     from generation_refusion import RefusionGenerateOutput, write_custom_generate
     from generation_refusion import generate as slot_generate
     from kernels_refusion import prepack_linears, unpack_linears, use_grouped_attention
-    from settings_refusion import check_model, documents_settings
+    from settings_refusion import check_model, documents_settings, fastest_settings
 
 IGNORE_INDEX = -100
 
@@ -271,6 +272,18 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         CPU no copy of every layer's keys and values per query head over the whole static cache, which eager
         attention makes. Not saved with the model: a loaded one starts with its default attention."""
         use_grouped_attention(self)
+
+    def fastest_generation_config(self, compile_cache_dir: str | None = None) -> GenerationConfig:
+        """A copy of the model's generation config set for the fastest decode measured on its device's kind
+        (`settings_refusion.fastest_settings`): pass it as `generate(..., generation_config=...)`; options passed
+        beside it still win. On a CPU the first decode compiles the forwards it meets (minutes each, kept as packages
+        in `compile_cache_dir` for later processes) and measures the forward-price table once; the answer is the
+        greedy one of the model's other settings. Load the model in bfloat16 and call `use_grouped_attention()` and
+        `prepack_linears()` first for the figures of the README's fastest path."""
+        config = copy.deepcopy(self.generation_config)
+        for name, value in fastest_settings(self.device, compile_cache_dir).items():
+            setattr(config, name, value)
+        return config
 
     @torch.no_grad()
     @documents_settings

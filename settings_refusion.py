@@ -30,8 +30,6 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-logger = logging.get_logger(__name__)
-
 # Backbones whose attention follows storage order, whose RoPE follows caller-given position ids and whose mask
 # builder passes a prepared 4D mask through untouched; attention implementations that keep storage order with
 # out-of-order position ids (flash-attention reads a position jump as a new packed sequence). "refusion_grouped" is
@@ -494,6 +492,33 @@ def compile_config_for(model, config: GenerationConfig, cache_implementation: st
     if model.device.type in ("cuda", "xpu"):
         return CompileConfig(fullgraph=True, dynamic=False)
     return None
+
+
+def fastest_settings(device, compile_cache_dir: str | os.PathLike | None = None) -> dict:
+    """The decoding options of the fastest decode measured on `device`'s kind (`benchmarks/results/README.md`), as
+    `generate` takes them. On a CPU: forwards compiled over a static cache with inductor's autotuning and the weights
+    frozen into the graphs, kept as AOTInductor packages in `compile_cache_dir` (None: compiled again in each process),
+    drafts priced by a forward-price table measured here once (`draft_schedule="price"`), up to 4 drafts a slot copied
+    from the text (`lookup_drafts`), and `token_threshold` 0.5, at which the answer is the model's own greedy one
+    whatever the table. On CUDA (or XPU): CUDA graphs over unfrozen weights (`mode="reduce-overhead"`), no packages."""
+    device = torch.device(device)
+    accelerated = device.type in ("cuda", "xpu")
+    if accelerated and compile_cache_dir is not None:
+        raise ValueError(
+            f"compile_cache_dir keeps AOTInductor packages for CPU decoding; on {device.type} the fastest path "
+            "compiles CUDA graphs in the process instead: leave it None."
+        )
+    if accelerated:
+        compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+    else:
+        compile_config = CompileConfig(
+            fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs", options={"freezing": True}
+        )
+    settings = dict(cache_implementation="static", compile_config=compile_config, draft_schedule="price",
+                    lookup_drafts=4, token_threshold=0.5)  # fmt: skip
+    if compile_cache_dir is not None:
+        settings["compile_cache_dir"] = str(compile_cache_dir)
+    return settings
 
 
 def build_logits_processors(
