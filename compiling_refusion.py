@@ -156,7 +156,9 @@ def warm_up_copies(device, count: int, unknown: int, steps: StepFunctions | None
         (steps or compiled_steps()).copy_drafts(text, at, torch.zeros_like(at), counts, count, unknown)
 
 
-def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.PathLike | None = None):
+def compiled_backbone(
+    model, compile_config: CompileConfig, saved_in: str | os.PathLike | None = None, saved_max_gb: float | None = None
+):
     """The model's backbone (`get_decoder()`) under `torch.compile` with `compile_config`, compiled once per model and
     config, called as the backbone is and returning the last hidden states of its new tokens, or their logits where the
     new tokens number no more than its `logits_width` (see below; `run_model` reads it). Its graphs (one per width
@@ -175,7 +177,8 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
 
     With `saved_in` (a folder: `generate(compile_cache_dir=...)`) the forwards are compiled ahead of time instead and
     kept there (`SavedForwards`), so that a later process loads them rather than compiling; they hold the weights
-    (frozen or not), so a weight change also means a fresh backbone."""
+    (frozen or not), so a weight change also means a fresh backbone. `saved_max_gb` bounds the packages kept there
+    (`packages_refusion.bound_folder`: the least recently used go first); None: unbounded."""
     saved = Path(saved_in) if saved_in is not None else None
     weights = frozen_weights(model, compile_config, held=saved is not None)
     compiled = getattr(model, "_refusion_compiled", None)
@@ -184,11 +187,7 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
     record = (compile_config, weights, saved, id(model.get_decoder()), attention_implementation(model))
     if compiled is None or compiled[:5] != record:
         if saved is not None:
-            try:  # (the saved-package machinery is loaded only for decodes that keep packages)
-                from .packages_refusion import SavedForwards
-            except ImportError:
-                from packages_refusion import SavedForwards
-            backbone = SavedForwards(model, compile_config, saved)
+            backbone = saved_packages()[0](model, compile_config, saved)
         else:
             arguments = compile_config.to_dict()
             options = {key: value for key, value in (arguments.pop("options") or {}).items() if key != "freezing"}
@@ -208,7 +207,22 @@ def compiled_backbone(model, compile_config: CompileConfig, saved_in: str | os.P
 
         compiled = (copy.deepcopy(compile_config), *record[1:], backbone)
         model._refusion_compiled = compiled
+    if saved is not None:  # (the bound is the folder's, whichever decode set it last)
+        bounds = saved_packages()[1]
+        if saved_max_gb is None:
+            bounds.pop(saved, None)
+        else:
+            bounds[saved] = int(saved_max_gb * 1e9)
     return compiled[5]
+
+
+def saved_packages() -> tuple:
+    """`packages_refusion.SavedForwards` and its `FOLDER_BOUNDS`, imported only for decodes that keep packages."""
+    try:
+        from .packages_refusion import FOLDER_BOUNDS, SavedForwards
+    except ImportError:
+        from packages_refusion import FOLDER_BOUNDS, SavedForwards
+    return SavedForwards, FOLDER_BOUNDS
 
 
 def cpu_kernel_configs(device, configs: dict) -> dict:

@@ -210,7 +210,9 @@ def refusion_generate(
             # compiled forwards are specialised to the cache's tensors: that cache stays with the model for later calls
             cache = slot_cache(model, batch_size, columns, keep=settings.compile_config is not None)
             if settings.compile_config:
-                compiled = compiled_backbone(model, settings.compile_config, settings.compile_cache_dir)
+                compiled = compiled_backbone(
+                    model, settings.compile_config, settings.compile_cache_dir, settings.compile_cache_max_gb
+                )
                 buckets = width_buckets(settings.draft_schedule)
         elif settings.use_cache:
             cache = DynamicCache()

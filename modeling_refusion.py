@@ -273,16 +273,21 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         attention makes. Not saved with the model: a loaded one starts with its default attention."""
         use_grouped_attention(self)
 
-    def fastest_generation_config(self, compile_cache_dir: str | None = None) -> GenerationConfig:
+    def fastest_generation_config(
+        self, compile_cache_dir: str | None = None, compile_cache_max_gb: float | None = None
+    ) -> GenerationConfig:
         """A copy of the model's generation config set for the fastest decode measured on its device's kind
         (`settings_refusion.fastest_settings`): pass it as `generate(..., generation_config=...)`; options passed
         beside it still win. On a CPU the first decode compiles the forwards it meets (minutes each, kept as packages
-        in `compile_cache_dir` for later processes) and measures the forward-price table once; the answer is the
-        greedy one of the model's other settings. Load the model in bfloat16 and call `use_grouped_attention()` and
-        `prepack_linears()` first for the figures of the README's fastest path."""
+        in `compile_cache_dir` for later processes, at most `compile_cache_max_gb` of them: the least recently used go
+        first) and measures the forward-price table once; the answer is the greedy one of the model's other
+        settings. Load the model in bfloat16 and call `use_grouped_attention()` and `prepack_linears()` first for the
+        figures of the README's fastest path."""
         config = copy.deepcopy(self.generation_config)
         for name, value in fastest_settings(self.device, compile_cache_dir).items():
             setattr(config, name, value)
+        if compile_cache_max_gb is not None:
+            config.compile_cache_max_gb = compile_cache_max_gb
         return config
 
     @torch.no_grad()

@@ -391,7 +391,10 @@ def load_or_build_package(path: Path, key: str, build: Callable[[str], None], wh
     file that nothing loads, removed once `PARTIAL_STALE` old (`remove_stale_partials`: on a process's first package
     in the folder, and before each build). It is built without autograd whatever the caller's grad mode: exported with
     grad enabled, the weights stay the graph's parameters and inductor's freezing leaves them out (a slower package,
-    then kept under the same key for every later process)."""
+    then kept under the same key for every later process).
+
+    A package loaded is marked used (its time of change set to now) and kept in `IN_USE`; where the folder has a bound
+    (`FOLDER_BOUNDS`: `generate(compile_cache_max_gb=...)`), each build is followed by `bound_folder`."""
     if path.parent not in SWEPT_FOLDERS:
         SWEPT_FOLDERS.add(path.parent)
         remove_stale_partials(path.parent)
@@ -401,7 +404,7 @@ def load_or_build_package(path: Path, key: str, build: Callable[[str], None], wh
             logger.warning(f"The saved {what} {path} {problem}; compiling it again.")
         else:
             try:
-                return load(path)
+                return used(path, load(path))
             except Exception as error:  # any failure to load means: compile it again
                 logger.warning(f"The saved {what} {path} did not load ({type(error).__name__}: {error}); compiling "
                                "it again.")  # fmt: skip
@@ -416,7 +419,60 @@ def load_or_build_package(path: Path, key: str, build: Callable[[str], None], wh
     finally:
         partial.unlink(missing_ok=True)
     write_package_digest(path, key, digest)
-    return load(path)
+    runner = used(path, load(path))
+    if path.parent in FOLDER_BOUNDS:
+        bound_folder(path.parent, FOLDER_BOUNDS[path.parent])
+    return runner
+
+
+def used(path: Path, runner):
+    """`runner`, the package at `path` just loaded, after marking the package used: now its time of change, by which
+    `bound_folder` evicts the least recently used first, and in `IN_USE`, which this process never evicts."""
+    IN_USE.add(path)
+    try:
+        os.utime(path)
+    except OSError:  # (a read-only folder: its packages are never evicted by this process either)
+        pass
+    return runner
+
+
+# The bound in bytes of the packages in each folder this process builds in (`generate(compile_cache_max_gb=...)`,
+# set by `compiling_refusion.compiled_backbone`); a folder not here is unbounded.
+FOLDER_BOUNDS: dict[Path, int] = {}
+IN_USE: set[Path] = set()  # the packages this process has loaded: never evicted by it
+PACKAGE_NAME = re.compile(r"(step-)?[0-9a-f]{32}\.pt2")  # a whole package's name (`SavedForwards.path`, `SavedStep`)
+BOUND_WARNED: set[Path] = set()  # the folders whose packages in use exceed their bound, warned of in this process
+
+
+def bound_folder(folder: Path, limit: int) -> None:
+    """Evict the least recently used packages in `folder` (whole packages, `PACKAGE_NAME`, used as `used` marks
+    them), each with its digest, until the packages left take at most `limit` bytes. Nothing else in the folder is
+    touched (partial files, a user's own files), nor any package this process has loaded (`IN_USE`): where those
+    alone exceed `limit`, a warning, once a folder. Another process that loaded an evicted package keeps running it;
+    the next process to need it compiles it again."""
+    packages = []
+    for name in filter(PACKAGE_NAME.fullmatch, os.listdir(folder)):
+        try:
+            status = (folder / name).stat()
+        except OSError:  # (removed meanwhile by another process)
+            continue
+        packages.append((status.st_mtime, status.st_size, folder / name))
+    total = sum(size for _, size, _ in packages)
+    for _, size, path in sorted(packages):
+        if total <= limit:
+            return
+        if path in IN_USE:
+            continue
+        try:
+            path.unlink()
+            digest_path(path).unlink(missing_ok=True)
+        except OSError:  # (removed meanwhile by another process)
+            pass
+        total -= size
+    if total > limit and folder not in BOUND_WARNED:
+        BOUND_WARNED.add(folder)
+        logger.warning(f"The packages this process runs take {total / 1e9:.2f} GB of {folder}, over its bound of "
+                       f"{limit / 1e9:.2f} GB (compile_cache_max_gb); none of them is evicted.")  # fmt: skip
 
 
 SWEPT_FOLDERS: set[Path] = set()  # the folders of packages whose stale partial files this process has removed

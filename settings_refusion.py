@@ -302,6 +302,7 @@ DecodingSettings = make_dataclass(
         ("compile_config", CompileConfig | None),  # compiled forwards over the static cache when set
         ("forward_prices", dict | None),  # `draft_schedule="price"`: the caller's {width: price}, checked
         ("compile_cache_dir", str | None),  # compiled forwards kept there as AOTInductor packages (`SavedForwards`)
+        ("compile_cache_max_gb", float | None),  # the bound on that folder's packages (`bound_folder`); None: none
         ("max_cache_len", int | None),  # the static cache's least number of columns
     ],
     frozen=True,
@@ -320,6 +321,7 @@ def resolve_settings(
     configured = {name: getattr(config, name, None) for name in DECODING_FIELDS}
     forward_prices = kwargs.pop("forward_prices", getattr(config, "forward_prices", None))
     compile_cache_dir = kwargs.pop("compile_cache_dir", getattr(config, "compile_cache_dir", None))
+    compile_cache_max_gb = kwargs.pop("compile_cache_max_gb", getattr(config, "compile_cache_max_gb", None))
     unused = config.update(**{name: value for name, value in kwargs.items() if name not in SETTING})
     for name, value in unused.items():
         if name != "mask_token_id":
@@ -349,6 +351,13 @@ def resolve_settings(
                 "pass cache_implementation='static' and a compile_config, without disable_compile."
             )
         compile_cache_dir = str(compile_cache_dir)
+    if compile_cache_max_gb is not None:
+        if isinstance(compile_cache_max_gb, bool) or not isinstance(compile_cache_max_gb, (int, float)) \
+                or not compile_cache_max_gb > 0:  # fmt: skip
+            raise ValueError(f"compile_cache_max_gb must be a number of gigabytes > 0, got {compile_cache_max_gb!r}.")
+        if compile_cache_dir is None:
+            raise ValueError("compile_cache_max_gb bounds the packages in compile_cache_dir; pass that folder too.")
+        compile_cache_max_gb = float(compile_cache_max_gb)
 
     mask_token_id = checked_mask_token_id(model, config, kwargs)
     eos = config.eos_token_id
@@ -396,6 +405,7 @@ def resolve_settings(
         compile_config=compile_config,
         forward_prices=forward_prices,
         compile_cache_dir=compile_cache_dir,
+        compile_cache_max_gb=compile_cache_max_gb,
         max_cache_len=max_cache_len,
     )
     return settings, config

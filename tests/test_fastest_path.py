@@ -23,6 +23,7 @@ def test_the_fastest_config_is_a_copy_with_the_measured_fastest_settings_of_the_
         "freezing": True
     }
     assert not hasattr(model.fastest_generation_config(), "compile_cache_dir")
+    assert model.fastest_generation_config(tmp_path, compile_cache_max_gb=4).compile_cache_max_gb == 4
     cuda = fastest_settings(torch.device("cuda"))
     assert cuda["compile_config"].mode == "reduce-overhead" and not cuda["compile_config"].options
     with pytest.raises(ValueError, match="compile_cache_dir keeps AOTInductor packages for CPU decoding"):

@@ -23,6 +23,7 @@ from test_saved_forwards import compile_config
 from test_static_cache import causal_forward
 
 import packages_refusion
+from compiling_refusion import compiled_backbone
 from decisions_refusion import greedy_distributions
 from packages_refusion import SavedForwards, SavedStep, digest_path, load_or_build_package
 
@@ -345,3 +346,51 @@ def test_partial_files_left_by_killed_builds_are_removed_once_stale(tmp_path):
     load_or_build_package(tmp_path / "d.pt2", "key", build, "forward", load)
     kept = {name for name, kept in names.items() if kept} | {"d.pt2", "d.pt2.digest"}
     assert {path.name for path in tmp_path.iterdir()} == kept
+
+
+def test_a_bounded_folder_evicts_the_least_recently_used_packages_and_nothing_else(tmp_path, monkeypatch, caplog):
+    """With a bound (`compile_cache_max_gb`), a build is followed by evicting the least recently used whole packages
+    (each with its digest) until the folder's packages fit: a load marks a package used, and a package this process
+    has loaded stays; partial files and a user's own files are never touched. Where the packages in use alone exceed
+    the bound, one warning."""
+    monkeypatch.setattr(packages_refusion, "IN_USE", set())
+    monkeypatch.setattr(packages_refusion, "BOUND_WARNED", set())
+    names = [f"{index:032x}.pt2" for index in range(4)]  # as `SavedForwards.path` names packages
+    old = time.time() - 1000
+    for age, name in enumerate(names[:3]):  # three packages of 100 bytes, other processes', the first the oldest
+        (tmp_path / name).write_bytes(bytes(100))
+        packages_refusion.write_package_digest(tmp_path / name, name, packages_refusion.file_digest(tmp_path / name))
+        os.utime(tmp_path / name, (old + age, old + age))
+    for name in ("mine.pt2", f"{names[0]}.123.partial.pt2"):  # a user's file, a live build's partial file
+        (tmp_path / name).write_bytes(bytes(500))
+        os.utime(tmp_path / name, (old - 10, old - 10))
+    unbuilt = pytest.fail  # (the packages already there load, unbuilt)
+    assert load_or_build_package(tmp_path / names[1], names[1], unbuilt, "step", Path.read_bytes) == bytes(100)
+    monkeypatch.setitem(packages_refusion.FOLDER_BOUNDS, tmp_path, 200)
+    load_or_build_package(tmp_path / names[3], names[3], lambda path: Path(path).write_bytes(bytes(50)), "step",
+                          Path.read_bytes)  # fmt: skip
+    # 350 bytes of packages: the least recently used (the first, then the third) go until 200 fit; the second (loaded
+    # by this process: used now) and the new one stay
+    left = {path.name for path in tmp_path.iterdir()}
+    assert left == {names[1], f"{names[1]}.digest", names[3], f"{names[3]}.digest", "mine.pt2",
+                    f"{names[0]}.123.partial.pt2"}  # fmt: skip
+    assert not caplog.text
+
+    packages_refusion.bound_folder(tmp_path, 100)  # both left are in use: kept, with one warning
+    packages_refusion.bound_folder(tmp_path, 100)
+    assert {path.name for path in tmp_path.iterdir()} == left
+    assert caplog.text.count("over its bound of 0.00 GB (compile_cache_max_gb); none of them is evicted") == 1
+
+
+def test_compile_cache_max_gb_needs_a_folder_and_a_positive_size(tmp_path):
+    model = sharpened_model("llama", scale=4.0)
+    saved = dict(cache_implementation="static", compile_config=compile_config(), compile_cache_dir=str(tmp_path))
+    for bad in (0, -1.0, "4GB", True):
+        with pytest.raises(ValueError, match="compile_cache_max_gb must be a number of gigabytes > 0"):
+            model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, compile_cache_max_gb=bad, **saved)
+    with pytest.raises(ValueError, match="compile_cache_max_gb bounds the packages in compile_cache_dir"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, compile_cache_max_gb=1.0)
+    compiled_backbone(model, compile_config(), tmp_path, 2.5)  # (what `generate` passes on; nothing compiles yet)
+    assert packages_refusion.FOLDER_BOUNDS[tmp_path] == 2_500_000_000
+    compiled_backbone(model, compile_config(), tmp_path)
+    assert tmp_path not in packages_refusion.FOLDER_BOUNDS
