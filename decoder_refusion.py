@@ -525,11 +525,10 @@ class SlotDecoder:
         """Check the drafts and correct the first rejected one: each slot's new accepted count and EOS offset."""
         state, layout = phase.state, phase.forward
         if self.greedy:
-            settings = self.settings
             values, layout.tokens, marks = self.steps.score_infill(
                 self._processed(logits), state.tokens, layout.stored, layout.counts, layout.until, self.eos,
-                settings.mask_token_id, self.token_threshold, self.text, layout.index + self.prompt.shape[0],
-                settings.lookup_drafts, len(layout.sizes) == 3,
+                self.settings.mask_token_id, self.token_threshold, self.text, layout.index + self.prompt.shape[0],
+                self.settings.lookup_drafts, len(layout.sizes) == 3,
             )  # fmt: skip
             self.profile.record(AcceptanceProfile.REDRAFT, marks)  # (`values` end with its counts)
             return values
@@ -549,10 +548,8 @@ class SlotDecoder:
             redrafts.view(-1)[checked] = self._pick(logits, mask_rows, index.flatten()[checked], state.tokens,
                                                     checked)[0]  # fmt: skip
         _, _, checked_mask = infill_masks(layout.stored, layout.counts, layout.until, self.settings.slot_size)
-        layout.tokens, counts, eos, marks = self.steps.judge_infill(
-            state.tokens, layout.counts, layout.until, checked_mask, ar_probability, ar_tokens, redrafts, self.eos,
-            self.settings.token_threshold,
-        )  # fmt: skip
+        layout.tokens, counts, eos, marks = self.steps.judge_infill(state.tokens, layout.counts, layout.until,
+            checked_mask, ar_probability, ar_tokens, redrafts, self.eos, self.settings.token_threshold)  # fmt: skip
         self.profile.record(AcceptanceProfile.REDRAFT, marks)
         values = [counts, eos]
         if self.settings.lookup_drafts:
