@@ -32,12 +32,12 @@ CUDA model, a dtype that does not win here) is the ordinary `F.linear`.
 Stale packs: a layer remembers what it packed (the weight's memory, dtype and version counter) and, before each
 packed forward, checks that the weight is still that tensor with no in-place change since. `model.to(dtype or
 device)`, `load_state_dict`, in-place ops on the parameter (`weight.mul_`, `copy_`, an optimizer step) and
-`weight.data = ...` (PEFT's `safe_merge`) all fail the check: the layer repacks (or, when the new weight is not
-packable, computes with `F.linear` and frees the old pack). A write through a `.data` alias (`weight.data += ...`,
-PEFT's default LoRA merge) is the one change PyTorch does not count, so no forward can see it cheaply; calling
-`prepack_linears(model)` again does (it compares a checksum of every packed weight and repacks what changed), so
-call it after changing weights that way and before decoding. Copies (`copy.deepcopy`, pickling) leave the packs
-out and repack on their first forward.
+`weight.data = ...` all fail the check: the layer repacks (or, when the new weight is not packable, computes with
+`F.linear` and frees the old pack). A write through a `.data` alias (`weight.data += ...`, PEFT's LoRA merge, and
+`weight.data.copy_(...)`, its `safe_merge` from 0.22) is the one change PyTorch does not count, so no forward can
+see it cheaply; calling `prepack_linears(model)` again does (it compares a checksum of every packed weight and
+repacks what changed), so call it after changing weights that way and before decoding. Copies (`copy.deepcopy`,
+pickling) leave the packs out and repack on their first forward.
 
 Memory: a packed weight is a second copy of the weight (about the model's size again; twice it for a bfloat16
 weight packed as float32).
