@@ -353,8 +353,10 @@ def resolve_settings(
         compile_cache_dir = str(compile_cache_dir)
     if compile_cache_max_gb is not None:
         if isinstance(compile_cache_max_gb, bool) or not isinstance(compile_cache_max_gb, (int, float)) \
-                or not compile_cache_max_gb > 0:  # fmt: skip
-            raise ValueError(f"compile_cache_max_gb must be a number of gigabytes > 0, got {compile_cache_max_gb!r}.")
+                or not 0 < compile_cache_max_gb < math.inf:  # fmt: skip
+            raise ValueError(
+                f"compile_cache_max_gb must be a finite number of gigabytes > 0, got {compile_cache_max_gb!r}."
+            )
         if compile_cache_dir is None:
             raise ValueError("compile_cache_max_gb bounds the packages in compile_cache_dir; pass that folder too.")
         compile_cache_max_gb = float(compile_cache_max_gb)

@@ -385,8 +385,8 @@ def test_a_bounded_folder_evicts_the_least_recently_used_packages_and_nothing_el
 def test_compile_cache_max_gb_needs_a_folder_and_a_positive_size(tmp_path):
     model = sharpened_model("llama", scale=4.0)
     saved = dict(cache_implementation="static", compile_config=compile_config(), compile_cache_dir=str(tmp_path))
-    for bad in (0, -1.0, "4GB", True):
-        with pytest.raises(ValueError, match="compile_cache_max_gb must be a number of gigabytes > 0"):
+    for bad in (0, -1.0, float("inf"), float("nan"), "4GB", True):
+        with pytest.raises(ValueError, match="compile_cache_max_gb must be a finite number of gigabytes > 0"):
             model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, compile_cache_max_gb=bad, **saved)
     with pytest.raises(ValueError, match="compile_cache_max_gb bounds the packages in compile_cache_dir"):
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, compile_cache_max_gb=1.0)
