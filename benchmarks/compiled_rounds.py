@@ -3,7 +3,7 @@
     python -m benchmarks.compiled_rounds [--prompts 16] [--rounds 2] [--max_new_tokens 64] [--mode MODE] [--no_eager]
         [--refusion compiled eager] [--draft_schedules fixed price] [--lookup_drafts 0 4] [--token_thresholds 0.3 0.5]
         [--dtype DTYPE] [--ar_dtype bfloat16] [--freeze] [--compile_cache_dir DIR] [--ar_prompt_lookup 4]
-        [--random_base FOLDER]
+        [--random_base FOLDER] [--models shipped FOLDER ...]
 
 On a shared machine a busy spell can slow one decoder and not the other when each decodes the whole prompt set in
 turn. Here every held-out prompt is decoded one right after the other by ReFusion (shipped setting and adapter) and by
@@ -42,6 +42,10 @@ AR counterpart of ReFusion's `lookup_drafts`.
 for a machine that cannot fetch the shipped one (a GPU machine without PyPI): the price of its forwards and of the
 decoder's work between them is the shipped model's, its acceptance is not, so read the "share of tokens/forward"
 column (the speed-up over tokens per forward: what a ReFusion forward costs against an AR step, all included).
+
+`--models` names the ReFusion models timed, each with every setting above: `shipped` (the base model with the
+shipped adapter, the default) and saved ReFusion folders (`recipe.model.load_refusion`, e.g. a draft-only adapter
+that `finetune.sft` wrote), each decoding in the same passes against the same ARs.
 """
 
 import argparse
@@ -69,7 +73,14 @@ from recipe.decoding import (
     warm_up_compiled_ar,
 )
 from recipe.evaluate import benchmark_prompts
-from recipe.model import decoding_dtype, load_base, prepare_for_decoding, random_base, with_adapter
+from recipe.model import (
+    decoding_dtype,
+    load_base,
+    load_refusion,
+    prepare_for_decoding,
+    random_base,
+    with_adapter,
+)
 from recipe.prompts import PROMPT_SETS
 
 
@@ -102,41 +113,28 @@ def main() -> None:
                         help="time a model of the architecture saved in FOLDER (recipe.model.save_architecture) "
                         "with random weights in place of the shipped one: prices only, its tokens per forward "
                         "are not the model's")  # fmt: skip
+    parser.add_argument("--models", nargs="+", default=["shipped"],
+                        help="the ReFusion models timed: shipped (the base model with the shipped adapter) and/or "
+                        "saved ReFusion folders")  # fmt: skip
     args = parser.parse_args()
     dtype, mode = decoding_dtype(args.dtype, args.device), args.mode or compile_mode(args.device)
     ar_dtype = decoding_dtype(args.ar_dtype, args.device)
 
     base, tokenizer = load_base() if args.random_base is None else random_base(args.random_base)
-    model, refusion_tokenizer = with_adapter(base.eval(), tokenizer)
-    ar, model = copy.deepcopy(base).to(args.device, ar_dtype), model.to(args.device, dtype)
-    # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones grouped attention
-    prepare_for_decoding(model, compiled=args.refusion == ["compiled"])
+    ar = copy.deepcopy(base).to(args.device, ar_dtype)
     prompts = prompt_token_ids(tokenizer, [prompt.text for prompt in benchmark_prompts(args.prompts, args.prompt_set)])
     refusions = {}
-    for path in args.refusion:
-        options = {}
-        if path == "compiled":
-            options = dict(compiled_refusion(args.device, mode, args.freeze, args.compile_cache_dir),
-                           time_forwards=False)  # fmt: skip
-            schedule = "price" if "price" in args.draft_schedules else "fixed"  # its buckets serve both schedules
-            compile_seconds = compile_refusion(
-                model, prompts, args.max_new_tokens, options["compile_config"], draft_schedule=schedule,
-                compile_cache_dir=args.compile_cache_dir, lookup_drafts=max(args.lookup_drafts, key=lambda n: n or 0),
-            )  # fmt: skip
-            print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
-        for schedule, lookup, threshold in itertools.product(
-            args.draft_schedules, args.lookup_drafts, args.token_thresholds
-        ):
-            name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"
-            settings = dict(options, draft_schedule=schedule)
-            if lookup is not None:
-                settings["lookup_drafts"] = lookup
-                name += f" lookup {lookup}" if len(args.lookup_drafts) > 1 else ""
-            if threshold is not None:
-                settings["token_threshold"] = threshold
-                name += f" thr {threshold:g}" if len(args.token_thresholds) > 1 else ""
-            decode(model, refusion_tokenizer, prompts[:1], 8, **settings)  # warm-up; priced: measures the prices
-            refusions[name] = partial(decode, model, refusion_tokenizer, max_new_tokens=args.max_new_tokens, **settings)
+    for label in args.models:
+        if label == "shipped":
+            model, refusion_tokenizer = with_adapter(copy.deepcopy(base).eval(), tokenizer)
+        else:
+            model, refusion_tokenizer = load_refusion(label)
+        model = model.to(args.device, dtype)
+        # the eager forwards (a prompt, or every forward of eager ReFusion) use the kernels; compiled ones grouped
+        # attention
+        prepare_for_decoding(model, compiled=args.refusion == ["compiled"])
+        named = refusion_decoders(model, refusion_tokenizer, prompts, args, mode, dtype)
+        refusions.update({name if len(args.models) == 1 else f"{name} ({label})": run for name, run in named.items()})
     ar_settings = compiled_ar_settings(ar, prompts, args.max_new_tokens, mode=mode)
     warm_up = warm_up_compiled_ar(ar, tokenizer, prompts[:1], ar_settings)
     print(f"compiled AR: warm-up (compiling) {warm_up.seconds:.1f} s ({ar_dtype})", flush=True)
@@ -200,6 +198,36 @@ def main() -> None:
             print(f"| {name} | {label} | {speedup.ratio:.2f}x | {speedup.median:.2f}x ({speedup.low:.2f}-"
                   f"{speedup.high:.2f}) | {speedup.tokens_per_forward:.2f} | "
                   f"{speedup.ratio / speedup.tokens_per_forward:.2f} |")  # fmt: skip
+
+
+def refusion_decoders(model, tokenizer, prompts: list, args: argparse.Namespace, mode: str, dtype) -> dict:
+    """`model`'s decoders under each of the command's paths and settings, by name, compiled and warmed up."""
+    refusions = {}
+    for path in args.refusion:
+        options = {}
+        if path == "compiled":
+            options = dict(compiled_refusion(args.device, mode, args.freeze, args.compile_cache_dir),
+                           time_forwards=False)  # fmt: skip
+            schedule = "price" if "price" in args.draft_schedules else "fixed"  # its buckets serve both schedules
+            compile_seconds = compile_refusion(
+                model, prompts, args.max_new_tokens, options["compile_config"], draft_schedule=schedule,
+                compile_cache_dir=args.compile_cache_dir, lookup_drafts=max(args.lookup_drafts, key=lambda n: n or 0),
+            )  # fmt: skip
+            print(f"ReFusion: every width bucket compiled in {compile_seconds:.1f} s ({mode}, {dtype})", flush=True)
+        for schedule, lookup, threshold in itertools.product(
+            args.draft_schedules, args.lookup_drafts, args.token_thresholds
+        ):
+            name = "ReFusion" if len(args.refusion) * len(args.draft_schedules) == 1 else f"ReFusion {path} {schedule}"
+            settings = dict(options, draft_schedule=schedule)
+            if lookup is not None:
+                settings["lookup_drafts"] = lookup
+                name += f" lookup {lookup}" if len(args.lookup_drafts) > 1 else ""
+            if threshold is not None:
+                settings["token_threshold"] = threshold
+                name += f" thr {threshold:g}" if len(args.token_thresholds) > 1 else ""
+            decode(model, tokenizer, prompts[:1], 8, **settings)  # warm-up; priced: measures the prices
+            refusions[name] = partial(decode, model, tokenizer, max_new_tokens=args.max_new_tokens, **settings)
+    return refusions
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 Each run is a new Python process (`--child`), as a restarted server or script is: it imports, loads the shipped
 model (`recipe.model.load_base` + `with_adapter`, the decoding policy's kernels), then decodes one held-out prompt
 with `generate()` and a streamer, and reports the seconds from the `generate()` call to the first answer token and
-to the last, and the load time apart. `--paths`, in order (repeat one to see a later process):
+to the last, the load time apart, and its peak resident memory (VmHWM: the whole process, loading and compiling
+included; inductor's compiler subprocesses are not counted). `--paths`, in order (repeat one to see a later process):
 - `eager`: no compiling (the floor);
 - `compiled`: `torch.compile` over ReFusion's static cache with frozen weights (`--no_freeze`: unfrozen), compiled
   as the decode first needs each width (inductor's own disk cache, warm or cold as this machine has it);
@@ -15,7 +16,8 @@ to the last, and the load time apart. `--paths`, in order (repeat one to see a l
   `generate(compile_cache_dir=...)`): the first such run compiles and keeps them (cold), later runs load them (warm).
 Priced drafts (`--draft_schedule price`, the default) price every width before the first forward, so the first
 token waits for every width bucket's forward to compile or load, unless this forward path's price table is already
-kept (`~/.cache/refusion/forward_prices.json`; `REFUSION_PRICE_CACHE`). Writes `warm_start.md` and `.json` into
+kept (`~/.cache/refusion/forward_prices.json`; `REFUSION_PRICE_CACHE`). The table ends with the saved packages on
+disk: how many, and their size. Writes `warm_start.md` and `.json` into
 `--output_dir` when given.
 """
 
@@ -45,7 +47,7 @@ def child(args: argparse.Namespace) -> dict:
     model, tokenizer = with_adapter(base.eval(), tokenizer)
     model = model.to(decoding_dtype(args.dtype))
     prepare_for_decoding(model)
-    loaded = time.perf_counter()
+    loaded, loaded_kb = time.perf_counter(), memory_kb("VmRSS")
     settings = dict(max_new_tokens=args.max_new_tokens, draft_schedule=args.draft_schedule, do_sample=False,
                     token_threshold=args.token_threshold)  # fmt: skip
     if args.lookup_drafts is not None:
@@ -73,9 +75,17 @@ def child(args: argparse.Namespace) -> dict:
         "first_token_s": (times[1] if len(times) > 1 else end) - begin,
         "answer_s": end - begin,
         "tokens": output.shape[1] - prompt.shape[1],
+        "loaded_rss_gb": loaded_kb / 2**20,
+        "peak_rss_gb": memory_kb("VmHWM") / 2**20,
         "dtype": str(model.dtype).removeprefix("torch."),
         "torch": torch.__version__,
     }
+
+
+def memory_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (VmRSS: resident now; VmHWM: the peak so far)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1])
 
 
 def main() -> None:
@@ -112,7 +122,8 @@ def main() -> None:
         print(f"{path}: first token {row['first_token_s']:.1f} s after generate(), answer {row['answer_s']:.1f} s, "
               f"model load {row['load_s']:.1f} s, process {row['process_s']:.1f} s", flush=True)  # fmt: skip
     folder = Path(args.compile_cache_dir)
-    kept = sum(file.stat().st_size for file in folder.glob("*.pt2")) if folder.is_dir() else 0
+    packages = sorted(folder.glob("*.pt2")) if folder.is_dir() else []
+    kept, steps = sum(file.stat().st_size for file in packages), sum(file.name.startswith("step-") for file in packages)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())  # fmt: skip
     lines = [
@@ -120,14 +131,17 @@ def main() -> None:
         f"{args.draft_schedule}, token threshold {args.token_threshold}, lookup_drafts "
         f"{args.lookup_drafts if args.lookup_drafts is not None else 'shipped'}, "
         f"{'unfrozen' if args.no_freeze else 'frozen'} weights; {cpu}, {os.cpu_count()} cores, torch "
-        f"{rows[0]['torch']}; each row a new process, in this order. Saved forwards kept: {kept / 1e9:.2f} GB.",
+        f"{rows[0]['torch']}; each row a new process, in this order. Kept in the folder: "
+        f"{len(packages) - steps} forward and {steps} step packages, {kept / 1e9:.2f} GB.",
         "",
-        "| run | path | to the first answer token, s | to the whole answer, s | answer tokens | model load, s |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        "| run | path | to the first answer token, s | to the whole answer, s | answer tokens | model load, s "
+        "| resident after load, GB | peak resident, GB |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for number, row in enumerate(rows, 1):
         lines.append(f"| {number} | {row['path']} | {row['first_token_s']:.1f} | {row['answer_s']:.1f} "
-                     f"| {row['tokens']} | {row['load_s']:.1f} |")  # fmt: skip
+                     f"| {row['tokens']} | {row['load_s']:.1f} | {row['loaded_rss_gb']:.2f} "
+                     f"| {row['peak_rss_gb']:.2f} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
     print(table)
     if args.output_dir:
