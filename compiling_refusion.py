@@ -22,9 +22,7 @@ try:
     from .decoder_refusion import PADDING
     from .executor_refusion import (
         LOGITS_IN_GRAPH_WIDTH,
-        WINDOW_WIDTH,
         StaticLayout,
-        key_windows,
         run_model,
         slot_cache,
         width_buckets,
@@ -35,9 +33,7 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
     from decoder_refusion import PADDING
     from executor_refusion import (
         LOGITS_IN_GRAPH_WIDTH,
-        WINDOW_WIDTH,
         StaticLayout,
-        key_windows,
         run_model,
         slot_cache,
         width_buckets,
@@ -296,8 +292,7 @@ def compile_forwards(
     compile_config=compile_config)` calls of that batch size and draft schedule whose cache fits compile nothing
     (with `compile_cache_dir`, the same as theirs: load or compile and keep the saved forwards), and their step
     functions (`compiled_steps()`): the attention masks, the scoring of logits, and with `lookup_drafts` the copying
-    of that many drafts. A width of up to `WINDOW_WIDTH` compiles a forward for each key window of the cache. The
-    forwards run on padding: what they write, the mask of a decode hides."""
+    of that many drafts. The forwards run on padding: what they write, the mask of a decode hides."""
     cache = slot_cache(model, batch_size, max_cache_len)
     compiled = compiled_backbone(model, compile_config, compile_cache_dir)
     steps = step_functions(compiled)
@@ -308,9 +303,7 @@ def compile_forwards(
                 name: torch.full((batch_size, width), value, dtype=torch.long, device=model.device)
                 for name, value in PADDING.items()
             }
-            for window in key_windows(cache.max_cache_len) if width <= WINDOW_WIDTH else [cache.max_cache_len]:
-                layout.pointers = [max(window - width, 0)] * batch_size  # stored tokens that need the window
-                run_model(model, compiled, batch, layout.mask(batch, [0] * batch_size, model.dtype), cache, 1)
+            run_model(model, compiled, batch, layout.mask(batch, [0] * batch_size, model.dtype), cache, 1)
         warm_up_steps(model, lookup_drafts, steps)
 
 

@@ -4,7 +4,7 @@
 step waits for the device once) and hands them back to each row's `SlotDecoder`. The cache is a `DynamicCache`, or
 with `cache_implementation="static"` a `SlotCache` allocated once, where each row stores its tokens in the order they
 were decoded (`StaticLayout` says where, and builds the attention mask), whose forwards can run compiled, padded to a
-few widths (`WIDTH_BUCKETS`) and attending over the fewest columns that hold every row (`key_windows`).
+few widths (`WIDTH_BUCKETS`).
 """
 
 import contextlib
@@ -38,11 +38,6 @@ NARROW_BUCKETS = (1, 2, 4)
 # (`run_model`).
 LOGITS_IN_GRAPH_WIDTH = 8
 CACHE_LENGTH_MULTIPLE = 128  # static caches are sized in these steps, so that prompts of other lengths share graphs
-# A forward of up to `WINDOW_WIDTH` new tokens over a static cache attends over its first columns only, the fewest of
-# `key_windows` that hold every row's stored and new tokens: a static cache is sized for the longest answer and the
-# widest forward, and attention over its unwritten columns costs as if they were written. Each window is a graph of
-# its own; wider forwards, rare after the prompt's, attend over the whole cache, which bounds the graphs compiled.
-WINDOW_WIDTH = 8
 
 
 class SlotCache(Cache):
@@ -51,14 +46,14 @@ class SlotCache(Cache):
     order at columns 0, 1, ... (a token's column is its rank); a forward writes its new tokens at the `columns`
     (`[batch, width]`) the executor sets, and keeping only the accepted queries is moving the row's write pointer
     back: the next forward overwrites the rest, and the mask hides every column not yet written or dropped. A forward
-    attends over the first `window` columns (`key_window`; the executor sets it with the mask, whose columns match)."""
+    attends over every column, as transformers' `StaticCache` does: one compiled graph per width and cache length."""
 
     def __init__(self, model, batch_size: int, max_cache_len: int):
         text_config = model.config.get_text_config(decoder=True)
         super().__init__(layers=[StaticLayer(max_cache_len) for _ in range(text_config.num_hidden_layers)])
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.early_initialization(batch_size, text_config.num_key_value_heads, head_dim, model.dtype, model.device)
-        self.max_cache_len = self.window = max_cache_len  # window: the columns a forward attends over (`key_window`)
+        self.max_cache_len = max_cache_len
         self.columns = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)
         self.rows = torch.arange(batch_size, device=model.device)[:, None]  # each row's index, against its columns
         self.lock = threading.Lock()  # held by the decode using the cache (`claimed`)
@@ -69,8 +64,6 @@ class SlotCache(Cache):
         layer, rows = self.layers[layer_idx], self.rows[: key_states.shape[0]]
         layer.keys[rows, :, self.columns] = key_states.transpose(1, 2)
         layer.values[rows, :, self.columns] = value_states.transpose(1, 2)
-        if self.window < self.max_cache_len:
-            return layer.keys[:, :, : self.window], layer.values[:, :, : self.window]
         return layer.keys, layer.values
 
     def __getstate__(self) -> dict:
@@ -104,23 +97,6 @@ class SlotCache(Cache):
 def cache_length(needed: int) -> int:
     """`needed` columns rounded up to a multiple of `CACHE_LENGTH_MULTIPLE`."""
     return -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
-
-
-def key_windows(max_cache_len: int) -> list[int]:
-    """The key windows of a static cache of `max_cache_len` columns: `CACHE_LENGTH_MULTIPLE` doubled while shorter,
-    then the whole cache."""
-    windows = [min(CACHE_LENGTH_MULTIPLE, max_cache_len)]
-    while windows[-1] < max_cache_len:
-        windows.append(min(2 * windows[-1], max_cache_len))
-    return windows
-
-
-def key_window(needed: int, width: int, max_cache_len: int) -> int:
-    """The columns a forward of `width` new tokens a row attends over, its rows needing the first `needed` (stored
-    and new tokens): the fewest of `key_windows` that hold them where `width` is at most `WINDOW_WIDTH`, else all."""
-    if width > WINDOW_WIDTH:
-        return max_cache_len
-    return next(window for window in key_windows(max_cache_len) if window >= min(needed, max_cache_len))
 
 
 def slot_cache(model, batch_size: int, needed: int, keep: bool = True) -> SlotCache:
@@ -194,8 +170,7 @@ class StaticLayout:
 
     def mask(self, batch: dict, sizes: list[int], dtype) -> torch.Tensor:
         """The attention mask of the batch's new tokens (`sizes` per row, before left padding), which go to the cache
-        at its rows' pointers (`static_mask`), over the cache's key window for the forward (`key_window`), which this
-        sets."""
+        at its rows' pointers (`static_mask`), over every column of the cache."""
         width, needed = batch["ids"].shape[1], max(self.pointers) + batch["ids"].shape[1]
         if needed > self.cache.max_cache_len:
             raise RuntimeError(
@@ -207,8 +182,7 @@ class StaticLayout:
             pointers, lengths, self.columns, self.groups, batch["ranks"], batch["prefixes"], batch["groups"],
             batch["parents"], dtype,
         )  # fmt: skip
-        self.cache.window = key_window(needed, width, self.cache.max_cache_len)
-        return mask[..., : self.cache.window]  # (the columns past it: not written yet, hidden)
+        return mask
 
     def keep(self, batch: dict, sizes: list[int], kept: list[int]) -> None:
         self.pointers = [pointer + count for pointer, count in zip(self.pointers, kept)]

@@ -1,6 +1,6 @@
 """Saved forwards: a static-cache decode's forwards compiled ahead of time and kept on disk (`compile_cache_dir=`).
 
-`SavedForwards` exports the backbone once per input shape (batch size, width, cache length, key window), compiles it
+`SavedForwards` exports the backbone once per input shape (batch size, width, cache length), compiles it
 with AOTInductor into a package in the folder and loads it in later processes instead of compiling. Packages are built
 under partial names and renamed when whole, checked against a digest when loaded and rebuilt when damaged
 (`load_or_build_package`). `SavedStep` does the same for the decode's step functions. This module reaches into
@@ -41,7 +41,7 @@ try:
         score_verify,
         static_mask,
     )
-    from .executor_refusion import WINDOW_WIDTH, SlotCache
+    from .executor_refusion import SlotCache
     from .settings_refusion import attention_fingerprint
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from compiling_refusion import (
@@ -60,7 +60,7 @@ except ImportError:  # installed as top-level modules rather than loaded as Hub 
         score_verify,
         static_mask,
     )
-    from executor_refusion import WINDOW_WIDTH, SlotCache
+    from executor_refusion import SlotCache
     from settings_refusion import attention_fingerprint
 
 logger = logging.get_logger(__name__)
@@ -69,6 +69,9 @@ SHAPES_REMEMBERED = 1024  # a `SavedStep`'s runners by exact input shapes (the t
 # Where a saved forward is compiled two ways and the faster kept (`SavedForwards`), each runs this many times in turn
 # on the forward's own inputs, the first of each untimed.
 PACKAGE_RACE_ROUNDS = 6
+# Forwards of up to this many new tokens are narrow: where a CPU's GEMM backends are picked for them apart from the
+# wider forwards' (`SavedForwards`: AMX, AVX512-BF16 without AMX).
+NARROW_WIDTH = 8
 # A package's partial file (`load_or_build_package`) this many seconds old was left by a build that was killed: a live
 # build renames its partial within minutes (the longest wait: a rival compiled beside it, `SavedForwards.keep_faster`).
 PARTIAL_STALE = 3600.0
@@ -95,13 +98,13 @@ class SavedForwards:
     (AVX512-BF16, AMX) autotuning chooses freely: without AMX the template multiplies bfloat16 in float32, and
     autotuning takes oneDNN's packed product for the wider forwards, which the template alone would make dearer.
 
-    On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of up to `WINDOW_WIDTH` new tokens take
+    On a CPU with AMX (`amx_bfloat16`), autotuned forwards with frozen weights of up to `NARROW_WIDTH` new tokens take
     their products from inductor's C++ template alone: there autotuning takes it for each width anyway, but left to
     choose for a width it does not know it took oneDNN's, the slower. Each package holds its own copy of the (packed)
     weights, as everywhere.
 
     On a CPU with oneDNN's bfloat16 kernels but no AMX (AVX512-BF16 alone), autotuned forwards with frozen weights of up
-    to `WINDOW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
+    to `NARROW_WIDTH` new tokens are compiled twice, as configured and with oneDNN's packed products alone
     (`max_autotune_gemm_backends="ATEN"`), and the package whose forward runs faster on the forward's own inputs is the
     one kept (`race_packages`). Autotuning times each product alone with its weights in the caches, where the template
     wins at narrow widths; a forward streams all the weights, where oneDNN's kernels (AVX512-BF16) can do better, and
@@ -126,7 +129,7 @@ class SavedForwards:
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
-        # the inductor configs of the packages of up to `WINDOW_WIDTH` new tokens, in turn; None: as the others'
+        # the inductor configs of the packages of up to `NARROW_WIDTH` new tokens, in turn; None: as the others'
         self.narrow_attempts = template_first(configs) if picks_backends and amx_bfloat16(model.device) else None
         # the inductor configs a narrow width's package races against, in turn; None: compiled as configured alone
         self.rival_attempts = None
@@ -153,8 +156,8 @@ class SavedForwards:
         )  # fmt: skip
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: "SlotCache", use_cache: bool = True):
-        shape = (*input_ids.shape, cache.max_cache_len, cache.window)
-        attention_mask = attention_mask.contiguous()  # (a key window's columns of the mask)
+        shape = (*input_ids.shape, cache.max_cache_len)
+        attention_mask = attention_mask.contiguous()  # (the package's input was exported contiguous)
         if shape not in self.runners:
             inputs = (
                 input_ids, position_ids, attention_mask, cache.columns,
@@ -170,12 +173,12 @@ class SavedForwards:
     def __deepcopy__(self, memo):
         return self  # a deep copy of the model compiles its own (`compiled_backbone` checks whose layers these are)
 
-    def key(self, shape: tuple[int, int, int, int]) -> str:
-        """What the package of forwards of `shape` (batch size, width, cache length, key window) is built for."""
-        return f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}, window {shape[3]}"
+    def key(self, shape: tuple[int, int, int]) -> str:
+        """What the package of forwards of `shape` (batch size, width, cache length) is built for."""
+        return f"{self.fingerprint} | batch {shape[0]}, width {shape[1]}, cache {shape[2]}"
 
-    def path(self, shape: tuple[int, int, int, int]) -> Path:
-        """Where the package of forwards of `shape` (batch size, width, cache length, key window) is kept."""
+    def path(self, shape: tuple[int, int, int]) -> Path:
+        """Where the package of forwards of `shape` (batch size, width, cache length) is kept."""
         return self.folder / f"{hashlib.sha256(self.key(shape).encode()).hexdigest()[:32]}.pt2"
 
     @property
@@ -183,16 +186,16 @@ class SavedForwards:
         """The forwards' path as a price table's key names it (`price_key`)."""
         return "saved (AOTInductor)"
 
-    def load_or_compile(self, shape: tuple[int, int, int, int], inputs: tuple, cache: "SlotCache"):
+    def load_or_compile(self, shape: tuple[int, int, int], inputs: tuple, cache: "SlotCache"):
         """The runner of the package of forwards of `shape`, loaded, or compiled first (from `inputs`, over `cache`)."""
-        narrow = self.narrow_attempts is not None and shape[1] <= WINDOW_WIDTH
+        narrow = self.narrow_attempts is not None and shape[1] <= NARROW_WIDTH
 
         def build(package_path: str):
             head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
-            backbone = ExportedBackbone(self.model.get_decoder(), cache, shape[3], head)
+            backbone = ExportedBackbone(self.model.get_decoder(), cache, head)
             exported = torch.export.export(backbone, inputs, strict=False)
             compile_package(exported, shape, self.narrow_attempts if narrow else self.attempts, package_path)
-            if self.rival_attempts and shape[1] <= WINDOW_WIDTH:
+            if self.rival_attempts and shape[1] <= NARROW_WIDTH:
                 self.keep_faster(exported, shape, inputs, package_path)
 
         return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load_forward)
@@ -570,19 +573,19 @@ class StepModule(torch.nn.Module):
 
 class ExportedBackbone(torch.nn.Module):
     """The backbone as `torch.export` takes it: the cache's key/value tensors and write columns are inputs (written in
-    place), so a package serves any cache of the same shape; attention is over its first `window` columns. Returns the
-    last hidden states, or with a `head` (the output layer) the logits."""
+    place), so a package serves any cache of the same shape. Returns the last hidden states, or with a `head` (the
+    output layer) the logits."""
 
-    def __init__(self, decoder, cache: "SlotCache", window: int, head=None):
+    def __init__(self, decoder, cache: "SlotCache", head=None):
         super().__init__()
-        self.decoder, self.cache, self.window, self.head = decoder, cache, window, head
+        self.decoder, self.cache, self.head = decoder, cache, head
 
     def forward(self, input_ids, position_ids, attention_mask, columns, keys, values):
         cache = copy.copy(self.cache)  # the same cache over the inputs' tensors
         cache.layers = [copy.copy(layer) for layer in self.cache.layers]
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
             layer.keys, layer.values = layer_keys, layer_values
-        cache.columns, cache.window = columns, self.window
+        cache.columns = columns
         output = self.decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         )

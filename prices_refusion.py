@@ -20,11 +20,11 @@ from transformers.utils import logging
 
 try:
     from .compiling_refusion import device_name, freezes_weights
-    from .executor_refusion import WINDOW_WIDTH, SlotCache, key_windows, pad_width, prompt_runs_eagerly, timed_forward
+    from .executor_refusion import SlotCache, pad_width, prompt_runs_eagerly, timed_forward
     from .settings_refusion import attention_fingerprint, check_forward_prices
 except ImportError:  # installed as top-level modules rather than loaded as Hub remote code
     from compiling_refusion import device_name, freezes_weights
-    from executor_refusion import WINDOW_WIDTH, SlotCache, key_windows, pad_width, prompt_runs_eagerly, timed_forward
+    from executor_refusion import SlotCache, pad_width, prompt_runs_eagerly, timed_forward
     from settings_refusion import attention_fingerprint, check_forward_prices
 
 logger = logging.get_logger(__name__)
@@ -192,7 +192,7 @@ def price_key(model, cache: SlotCache, compile_config: CompileConfig | None, buc
         "eager" if compile_config is None else f"compiled {compile_config.to_dict()}, widths {buckets}"
         + (", frozen weights" if freezes_weights(compile_config) else "")
         + (f", {saved}" if saved else ""),
-        f"batch {keys.shape[0]}, cache {keys.shape[2]}, key windows {key_windows(keys.shape[2])} up to {WINDOW_WIDTH}",
+        f"batch {keys.shape[0]}, cache {keys.shape[2]}",
         f"torch {torch.__version__}",
     ])  # fmt: skip
 

@@ -437,9 +437,6 @@ def decode_static_ar(
     if compile_config is not None:
         compiled = compiling_refusion.compiled_backbone(model, compile_config, compile_cache_dir)
 
-    def window(needed: int, width: int) -> int:  # the key window a forward attends over, as ReFusion's do
-        return executor_refusion.key_window(needed, width, cache.max_cache_len)
-
     answers, seconds, forwards = [], 0.0, 0
     for prompt in prompts:
         if len(prompt) + max_new_tokens > needed:
@@ -454,15 +451,13 @@ def decode_static_ar(
         in_graph = compiled is not None and width <= min(buckets[-1], cache.max_cache_len)
         if in_graph and not executor_refusion.prompt_runs_eagerly(model, compiled, cache, length, buckets):
             cache.columns = columns[None, :width]
-            cache.window = window(width, width)
             padded = dict(ids=torch.nn.functional.pad(ids, (0, width - length)), positions=cache.columns)
-            logits = executor_refusion.run_model(model, compiled, padded, causal[:, :, :width, : cache.window],
-                                                   cache, width - length + 1)[:, :1]  # fmt: skip
+            logits = executor_refusion.run_model(model, compiled, padded, causal[:, :, :width], cache,
+                                                 width - length + 1)[:, :1]  # fmt: skip
         else:
             cache.columns = columns[None, :length]
-            cache.window = window(length, length)
             logits = model(input_ids=ids, position_ids=cache.columns, cache=cache, use_cache=True, logits_to_keep=1,
-                           attention_mask=causal[:, :, :length, : cache.window]).logits  # fmt: skip
+                           attention_mask=causal[:, :, :length]).logits  # fmt: skip
         tokens = []
         while True:
             token = logits[:, -1].argmax(dim=-1, keepdim=True)
@@ -470,8 +465,7 @@ def decode_static_ar(
             if torch.isin(token, stop).item() or len(tokens) == max_new_tokens:
                 break
             cache.columns = columns[None, length : length + 1]
-            cache.window = window(length + 1, 1)
-            mask = causal[:, :, length : length + 1, : cache.window]
+            mask = causal[:, :, length : length + 1]
             if compiled is None:
                 logits = model(input_ids=token, position_ids=cache.columns, attention_mask=mask, cache=cache,
                                use_cache=True, logits_to_keep=1).logits  # fmt: skip

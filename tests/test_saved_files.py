@@ -28,7 +28,7 @@ from decisions_refusion import greedy_distributions
 from packages_refusion import SavedForwards, SavedStep, digest_path, load_or_build_package
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = (1, 2, 128, 128)  # batch size, width, cache length, key window: the forward `causal_forward(..., 2)` runs
+SHAPE = (1, 2, 128)  # batch size, width, cache length: the forward `causal_forward(..., 2)` runs
 STEP_DIMS = ({0: "rows"}, None)  # `greedy_distributions`: any number of rows, the mask token a constant
 MASK_TOKEN_ID = 20
 

@@ -56,7 +56,7 @@ def test_autotuned_frozen_packages_on_a_cpu_take_the_gemm_template_alone_where_i
 def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configured_and_with_onednn_alone(
     tmp_path, monkeypatch, caplog
 ):
-    """On a CPU with oneDNN's bfloat16 kernels but no AMX, an autotuned frozen forward of up to `WINDOW_WIDTH` new
+    """On a CPU with oneDNN's bfloat16 kernels but no AMX, an autotuned frozen forward of up to `NARROW_WIDTH` new
     tokens is compiled as configured and with oneDNN's products alone, and the package that ran faster on the
     forward's inputs is the one kept (no other file left), which gives the eager logits and a later process loads;
     wider forwards compile once. Named backends, no autotuning, unfrozen, AMX or no oneDNN bfloat16: no rival."""
@@ -87,7 +87,7 @@ def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configu
     assert backends == [None, "ATEN"] and len(race) == 1
     (configured, alone), contents = race[0]
     assert configured > 0 and alone > 0
-    package = saved.path((1, 2, 128, 128))
+    package = saved.path((1, 2, 128))
     assert sorted(tmp_path.iterdir()) == [package, digest_path(package)]  # the rival gone, the digest of the kept one
     assert package.read_bytes() == contents[1 if alone < configured else 0]
     assert f"keeping the package {'oneDNN' if alone < configured else 'as configured'}" in caplog.text
@@ -111,7 +111,7 @@ def test_without_amx_a_narrow_forward_keeps_the_faster_of_its_package_as_configu
 
 
 def test_on_a_cpu_with_amx_the_narrow_widths_take_the_gemm_template_alone(tmp_path, monkeypatch):
-    """With AMX, autotuned packages with frozen weights of up to `WINDOW_WIDTH` new tokens are a package a width
+    """With AMX, autotuned packages with frozen weights of up to `NARROW_WIDTH` new tokens are a package a width
     compiled with the C++ GEMM template alone (autotuning free to choose took oneDNN's slower product for widths it did
     not know), each holding its weights, as every package does: each width gives the eager logits and a later process
     loads them. Wider forwards take the backends they take elsewhere on this CPU. Without AMX, with named backends,
@@ -161,4 +161,4 @@ def test_a_priced_decode_on_an_amx_cpu_runs_one_query_forwards_from_their_own_pa
                            compile_cache_dir=str(tmp_path), **settings)  # fmt: skip
     assert torch.equal(saved.sequences, eager.sequences)
     backbone = compiled_backbone(model, config, tmp_path)
-    assert backbone.narrow_attempts is not None and 1 in widths and (1, 1, 128, 128) in backbone.runners
+    assert backbone.narrow_attempts is not None and 1 in widths and (1, 1, 128) in backbone.runners

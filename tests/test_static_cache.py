@@ -35,12 +35,9 @@ from executor_refusion import (
     LOGITS_IN_GRAPH_WIDTH,
     NARROW_BUCKETS,
     WIDTH_BUCKETS,
-    WINDOW_WIDTH,
     SlotCache,
     StaticLayout,
     execute,
-    key_window,
-    key_windows,
     pad_width,
     run_model,
     slot_cache,
@@ -169,60 +166,41 @@ def test_the_static_cache_is_reused_while_it_fits_and_replaced_when_it_does_not(
     )
 
 
-def test_narrow_forwards_attend_over_the_fewest_columns_that_hold_their_tokens():
-    assert CACHE_LENGTH_MULTIPLE == 128 and WINDOW_WIDTH == 8
-    assert key_windows(128) == [128] and key_windows(256) == [128, 256] and key_windows(640) == [128, 256, 512, 640]
-    assert key_windows(85) == [85]  # a cache shorter than one multiple is its only window
-    assert [key_window(needed, 1, 640) for needed in (1, 128, 129, 300, 513, 640)] == [128, 128, 256, 512, 640, 640]
-    assert key_window(100, WINDOW_WIDTH, 256) == 128 and key_window(100, WINDOW_WIDTH + 1, 256) == 256  # wider: all
+def test_a_forward_writes_at_its_rows_pointers_and_attends_over_the_whole_cache():
     model = sharpened_model("llama", scale=4.0)
     cache = SlotCache(model, 1, 256)
     layout = StaticLayout(cache, 1, model.device)
     batch = {name: torch.full((1, 4), value) for name, value in decoder_refusion.PADDING.items()}
-    for pointer, window in ((0, 128), (124, 128), (125, 256)):
+    for pointer in (0, 124, 252):
         layout.pointers = [pointer]
         mask = layout.mask(batch, [4], model.dtype)
-        assert cache.window == window and mask.shape == (1, 1, 4, window)  # the mask covers the window, set with it
+        assert mask.shape == (1, 1, 4, 256) and torch.equal(cache.columns[0], torch.arange(pointer, pointer + 4))
         new = torch.ones(1, *cache.layers[0].keys.shape[1:2], 4, cache.layers[0].keys.shape[3], dtype=model.dtype)
-        keys, values = cache.update(new, 2 * new, 0)  # written at the pointer, attended over the window
-        assert keys.shape[2] == values.shape[2] == window
+        keys, values = cache.update(new, 2 * new, 0)  # written at the pointer, attended over every column
+        assert keys.shape[2] == values.shape[2] == 256
         assert torch.equal(values[0, :, pointer : pointer + 4], 2 * new[0])
 
 
-def test_a_decode_whose_forwards_outgrow_a_key_window_gives_the_dynamic_tokens(monkeypatch):
-    """Over a cache of 256 columns the narrow forwards attend over 128 until the stored tokens and the new ones no
-    longer fit, then over 256 (eagerly and compiled, where `compile_forwards` compiled both windows up front and the
-    decode compiles nothing): the tokens of the dynamic cache either way."""
+def test_a_decode_past_the_first_cache_multiple_gives_the_dynamic_tokens_and_compiles_nothing_new():
+    """Over a cache of 256 columns, an answer whose forwards cross column 128 decodes the dynamic cache's tokens,
+    eagerly and compiled, where `compile_forwards` compiled one graph per width up front and the decode compiles
+    nothing more."""
     model = sharpened_model("qwen2", scale=4.0)
     prompt = (torch.arange(100, 210) % 97 + 3)[None]  # 110 tokens: the answer's forwards cross column 128
     settings = dict(max_new_tokens=32, slot_size=4, block_length=8, slot_threshold=0.5, token_threshold=0.3,
                     eos_token_id=[], pad_token_id=0)  # fmt: skip
     dynamic = model.generate(prompt, **settings)
-    windows, choose = [], executor_refusion.key_window
-
-    lengths = set()
-
-    def chosen(needed, width, max_cache_len):
-        windows.append((width, choose(needed, width, max_cache_len)))
-        lengths.add(max_cache_len)
-        return windows[-1][1]
-
-    monkeypatch.setattr(executor_refusion, "key_window", chosen)
+    assert CACHE_LENGTH_MULTIPLE < static_cache_columns(prompt.shape[1], 32, 4, 8) <= 2 * CACHE_LENGTH_MULTIPLE
     assert torch.equal(model.generate(prompt, cache_implementation="static", **settings), dynamic)
-    assert lengths == {256}
-    assert {window for width, window in windows if width <= WINDOW_WIDTH} == {128, 256}
-    assert all(window == 256 for width, window in windows if width > WINDOW_WIDTH)
     config = compile_config()
     compile_masks(model.dtype)
     warm_up_steps(model)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compile_forwards(model, config, 1, static_cache_columns(prompt.shape[1], 32, 4, 8))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS) + 1  # 8: 2 windows
-    windows.clear()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)
     compiled = dict(settings, cache_implementation="static", compile_config=config)
     assert torch.equal(model.generate(prompt, **compiled), dynamic)
-    assert {window for width, window in windows if width <= WINDOW_WIDTH} == {128, 256}
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS) + 1  # none since
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(WIDTH_BUCKETS)  # none since
 
 
 def test_widths_pad_to_buckets_only_when_compiled_and_priced_drafts_get_narrow_ones():
