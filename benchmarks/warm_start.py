@@ -37,6 +37,7 @@ def child(args: argparse.Namespace) -> dict:
     """One fresh process's run of `args.child` (a path): load, then decode one prompt; times in seconds."""
     import torch
 
+    from benchmarks.decode import memory_kb
     from finetune.chat import prompt_token_ids
     from recipe.decoding import compile_mode, compiled_refusion
     from recipe.evaluate import benchmark_prompts
@@ -80,12 +81,6 @@ def child(args: argparse.Namespace) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "torch": torch.__version__,
     }
-
-
-def memory_kb(field: str) -> int:
-    """A field of /proc/self/status in kB (VmRSS: resident now; VmHWM: the peak so far)."""
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
-    return int(line.split()[1])
 
 
 def main() -> None:
