@@ -12,11 +12,13 @@ forwards SDPA over the shared key/value heads, uncopied).
 """
 
 import copy
+import json
 from pathlib import Path
 
 import torch
 import yaml
 from peft import PeftModel
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.convert import convert_to_refusion, load_causal_lm
@@ -118,20 +120,50 @@ def with_adapter(
     decoding: dict | None = None,
 ) -> tuple[RefusionForCausalLM, PreTrainedTokenizerBase]:
     """A copy of `base` converted to ReFusion with the LoRA `adapter` merged into its weights (no LoRA overhead
-    when decoding) and `decoding` (default: `shipped_decoding()`) as its generation defaults. `base` and `tokenizer`
-    are not modified, so they stay the autoregressive reference."""
+    when decoding), or with a draft-only adapter's deltas where `adapter` is a `.safetensors` file of them
+    (`draft_adapter_state`), and `decoding` (default: `shipped_decoding()`) as its generation defaults. `base` and
+    `tokenizer` are not modified, so they stay the autoregressive reference."""
     adapter = Path(adapter)
+    decoding = shipped_decoding() if decoding is None else decoding
+    if adapter.suffix == ".safetensors":
+        state, settings = draft_adapter_state(adapter)
+        refusion, refusion_tokenizer = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer), **decoding)
+        mask_token_id = settings.pop("mask_token_id")
+        if mask_token_id is not None and mask_token_id != refusion.config.mask_token_id:
+            raise ValueError(f"{adapter} was trained with [MASK] = token {mask_token_id}; this model's is "
+                             f"{refusion.config.mask_token_id}.")  # fmt: skip
+        refusion.add_draft_adapter(**settings)
+        missing, unexpected = refusion.load_state_dict(state, strict=False)
+        adapter_missing = [name for name in missing if ".draft_adapter." in name]
+        if unexpected or adapter_missing:
+            raise ValueError(f"{adapter} does not fit this model's draft adapter: unexpected {unexpected[:3]}, "
+                             f"missing {adapter_missing[:3]}.")  # fmt: skip
+        return refusion.eval(), refusion_tokenizer
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"No LoRA adapter in {str(adapter)!r} (adapter_config.json is missing). The shipped adapter is made by "
             "`python -m recipe.run --config recipe/smollm2.yaml`."
         )
-    decoding = shipped_decoding() if decoding is None else decoding
     refusion, refusion_tokenizer = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer), **decoding)
     merged = PeftModel.from_pretrained(refusion, adapter).merge_and_unload()
     if not isinstance(merged, RefusionForCausalLM):
         raise TypeError(f"Merging the adapter gave a {type(merged).__name__}, not a RefusionForCausalLM.")
     return merged.eval(), refusion_tokenizer
+
+
+def draft_adapter_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The deltas of a draft-only adapter saved as a `.safetensors` file (`recipe/artifacts/draft-mix`) and its
+    settings (`RefusionForCausalLM.add_draft_adapter`'s arguments and the `[MASK]` token it was trained with, None
+    where not recorded), read from the file's metadata."""
+    with safe_open(str(path), "pt") as saved:
+        metadata = saved.metadata() or {}
+        if "draft_adapter" not in metadata:
+            raise ValueError(f"{path} records no draft adapter's settings (its metadata has no 'draft_adapter').")
+        state = {name: saved.get_tensor(name) for name in saved.keys()}
+    settings = json.loads(metadata["draft_adapter"])
+    mask_token_id = int(metadata["mask_token_id"]) if "mask_token_id" in metadata else None
+    return state, dict(rank=settings["rank"], alpha=settings["alpha"], target_modules=settings["target_modules"],
+                       mask_token_id=mask_token_id)  # fmt: skip
 
 
 def load_refusion(

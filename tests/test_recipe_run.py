@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny import tiny_backbone, tiny_tokenizer
 
 import recipe.distill
@@ -136,6 +136,35 @@ def test_the_shipped_adapter_merges_like_peft_and_leaves_the_base_alone(tiny_rec
     assert answer.shape == (1, inputs.shape[1] + 8)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         with_adapter(base, tokenizer, Path(config["output_dir"]))
+
+
+def test_a_draft_adapter_file_loads_onto_a_converted_copy_of_the_base(tmp_path):
+    """`with_adapter` given a `.safetensors` file of draft-adapter deltas (as `recipe/artifacts/draft-mix` keeps
+    them): the converted copy computes what the model they came from computes, and the base is left alone."""
+    tokenizer = tiny_tokenizer()
+    base = tiny_backbone("llama", vocab_size=len(tokenizer), initializer_range=0.2).eval()
+    trained, _ = convert_to_refusion(copy.deepcopy(base), copy.deepcopy(tokenizer))
+    trained.add_draft_adapter(4, alpha=8.0, target_modules=["q_proj", "down_proj"])
+    with torch.no_grad():
+        for name, weight in trained.named_parameters():
+            if ".draft_adapter." in name:
+                weight.normal_(0.0, 0.5)
+    deltas = {name: tensor for name, tensor in trained.state_dict().items() if ".draft_adapter." in name}
+    metadata = {"mask_token_id": str(trained.config.mask_token_id), "draft_adapter": json.dumps(
+        {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "down_proj"]})}  # fmt: skip
+    save_file(deltas, tmp_path / "draft_adapter.safetensors", metadata=metadata)
+    weights = copy.deepcopy(base.state_dict())
+    model, _ = with_adapter(base, tokenizer, tmp_path / "draft_adapter.safetensors")
+    assert all(torch.equal(value, base.state_dict()[name]) for name, value in weights.items())
+    inputs = torch.tensor([[5, 6, trained.config.mask_token_id, trained.config.mask_token_id, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(inputs).logits, trained.eval()(inputs).logits)
+    save_file(deltas, tmp_path / "other.safetensors", metadata={**metadata, "mask_token_id": "3"})
+    with pytest.raises(ValueError, match=r"trained with \[MASK\] = token 3"):
+        with_adapter(base, tokenizer, tmp_path / "other.safetensors")
+    save_file(deltas, tmp_path / "bare.safetensors")
+    with pytest.raises(ValueError, match="records no draft adapter's settings"):
+        with_adapter(base, tokenizer, tmp_path / "bare.safetensors")
 
 
 def test_false_and_list_values_reach_the_sft_command_line():
