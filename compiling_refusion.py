@@ -172,9 +172,10 @@ def compiled_backbone(
     freezing, where a graph would multiply by the same unpacked weight as an eager call, over a whole bucket).
 
     With `saved_in` (a folder: `generate(compile_cache_dir=...)`) the forwards are compiled ahead of time instead and
-    kept there (`SavedForwards`), so that a later process loads them rather than compiling; they hold the weights
-    (frozen or not), so a weight change also means a fresh backbone. `saved_max_gb` bounds the packages kept there
-    (`packages_refusion.bound_folder`: the least recently used go first); None: unbounded."""
+    kept there (`SavedForwards`), so that a later process loads them rather than compiling; a weight change also
+    means a fresh backbone (its packages hold frozen weights, or are bound to the model's tensors as they were).
+    `saved_max_gb` bounds the packages kept there (`packages_refusion.bound_folder`: the least recently used go first);
+    None: unbounded."""
     saved = Path(saved_in) if saved_in is not None else None
     weights = frozen_weights(model, compile_config, held=saved is not None)
     compiled = getattr(model, "_refusion_compiled", None)

@@ -274,7 +274,7 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         use_grouped_attention(self)
 
     def fastest_generation_config(
-        self, compile_cache_dir: str | None = None, compile_cache_max_gb: float | None = None
+        self, compile_cache_dir: str | None = None, compile_cache_max_gb: float | None = None, frozen: bool = True
     ) -> GenerationConfig:
         """A copy of the model's generation config set for the fastest decode measured on its device's kind
         (`settings_refusion.fastest_settings`): pass it as `generate(..., generation_config=...)`; options passed
@@ -282,9 +282,10 @@ class RefusionForCausalLM(RefusionPreTrainedModel, GenerationMixin):
         in `compile_cache_dir` for later processes, at most `compile_cache_max_gb` of them: the least recently used go
         first) and measures the forward-price table once; the answer is the greedy one of the model's other
         settings. Load the model in bfloat16 and call `use_grouped_attention()` and `prepack_linears()` first for the
-        figures of the README's fastest path."""
+        figures of the README's fastest path. `frozen=False` trades speed for memory: packages without the weights,
+        which run on the model's own (frozen, each package holds a packed copy)."""
         config = copy.deepcopy(self.generation_config)
-        for name, value in fastest_settings(self.device, compile_cache_dir).items():
+        for name, value in fastest_settings(self.device, compile_cache_dir, frozen).items():
             setattr(config, name, value)
         if compile_cache_max_gb is not None:
             config.compile_cache_max_gb = compile_cache_max_gb

@@ -75,15 +75,29 @@ NARROW_WIDTH = 8
 # A package's partial file (`load_or_build_package`) this many seconds old was left by a build that was killed: a live
 # build renames its partial within minutes (the longest wait: a rival compiled beside it, `SavedForwards.keep_faster`).
 PARTIAL_STALE = 3600.0
+# The metadata of a saved forward built without its constants, which runs on the model's own tensors (`load_forward`).
+MODEL_CONSTANTS = {"refusion_constants": "the model's own tensors"}
+# The inductor configs of such a package: no constants in it, small ones kept as tensors too (inductor writes them
+# into the code otherwise), and matrix products from ATen, which takes the weights as they are (inductor's C++ GEMM
+# template makes a packed copy of each, a constant of the package's own).
+BARE_PACKAGE = {
+    "aot_inductor.package_constants_in_so": False,
+    "always_keep_tensor_constants": True,
+    "max_autotune_gemm_backends": "ATEN",
+    "aot_inductor.metadata": MODEL_CONSTANTS,
+}
 
 
 class SavedForwards:
     """The backbone's forwards compiled ahead of time (`torch.export`, then AOTInductor with the compile config's mode
     and options), one package per input shape (batch size, width, cache length), kept in `folder` as `<key>.pt2`: a
     later process loads a package where `torch.compile` traces and compiles again (each width, even with inductor's disk
-    cache warm, and longest with frozen weights). The key (`saved_forward_key`) covers what a package depends on: the
-    weights' contents (a package holds them, frozen or not), the model's class, config, dtype and device, the compile
-    config, this file's source and the versions of torch and transformers. A package is checked against the digest kept
+    cache warm, and longest with frozen weights). With frozen weights a package holds them, packed: each package its
+    own copy, in memory too. Unfrozen, a package is built without them and runs on the model's own tensors, bound when
+    it loads (`load_forward`): one copy of the weights whatever the number of packages, and a package serves any
+    weights of the same names, dtypes and shapes. The key (`saved_forward_key`) covers what a package depends on: the
+    weights (their contents where frozen), the model's class, config, dtype and device, the compile config, this
+    file's source and the versions of torch and transformers. A package is checked against the digest kept
     beside it before it loads, and one that fails (damaged, another key's, or without a digest) or does not load (built
     elsewhere) is compiled again, with a warning (`load_or_build_package`). Packages are written whole (to a partial
     file, then renamed), so processes may share a folder. Called as the compiled backbone is (`run_model`); CUDA graphs
@@ -126,6 +140,9 @@ class SavedForwards:
             and "max_autotune_gemm_backends" not in configs  # fmt: skip
         if picks_backends and not onednn_bfloat16():
             self.attempts = template_first(configs)
+        # Unfrozen, a package's constants are the weights as they are: it is built without them and runs on the
+        # model's own tensors, given it when it loads (`load_forward`). Frozen, they are packed copies it must hold.
+        self.shares_weights = not freezes_weights(compile_config)
         self.model, self.folder, self.runners = model, folder, {}
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
@@ -190,15 +207,29 @@ class SavedForwards:
         """The runner of the package of forwards of `shape`, loaded, or compiled first (from `inputs`, over `cache`)."""
         narrow = self.narrow_attempts is not None and shape[1] <= NARROW_WIDTH
 
+        head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
+        backbone = ExportedBackbone(self.model.get_decoder(), cache, head)
+        tensors = dict(backbone.named_parameters(remove_duplicate=False))
+        tensors.update(backbone.named_buffers(remove_duplicate=False))
+
         def build(package_path: str):
-            head = self.model.get_output_embeddings() if shape[1] <= self.logits_width else None
-            backbone = ExportedBackbone(self.model.get_decoder(), cache, head)
             exported = torch.export.export(backbone, inputs, strict=False)
-            compile_package(exported, shape, self.narrow_attempts if narrow else self.attempts, package_path)
+            attempts = self.narrow_attempts if narrow else self.attempts
+            if self.shares_weights and set(exported.constants) <= set(tensors):
+                # unfrozen: built without its constants, to run on the model's tensors (`load_forward`); kept so only
+                # where every constant it names is one of them (inductor makes some of its own, e.g. packed weights)
+                compile_package(exported, shape, [{**attempt, **BARE_PACKAGE} for attempt in attempts], package_path)
+                if set(torch._inductor.aoti_load_package(package_path).get_constant_fqns()) <= set(tensors):
+                    return
+                logger.info(f"The forward of {shape} compiled with constants of its own; keeping them in its package.")
+            compile_package(exported, shape, attempts, package_path)
             if self.rival_attempts and shape[1] <= NARROW_WIDTH:
                 self.keep_faster(exported, shape, inputs, package_path)
 
-        return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load_forward)
+        def load(path: Path):
+            return load_forward(path, tensors)
+
+        return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load)
 
     def keep_faster(self, exported, shape: tuple, inputs: tuple, package_path: str) -> None:
         """Compile the forward `exported` again with `rival_attempts` beside the package at `package_path` and leave
@@ -378,9 +409,21 @@ def forward_arguments(inputs: list[torch.Tensor]) -> tuple:
     return (*inputs[:4], list(inputs[4 : 4 + layers]), list(inputs[4 + layers :]))
 
 
-def load_forward(path: Path):
-    """The runner of the saved forward's package at `path` (`load_package`, its arguments `forward_arguments`)."""
-    return load_package(path, forward_arguments)
+def load_forward(path: Path, tensors: dict[str, torch.Tensor] | None = None):
+    """The runner of the saved forward's package at `path` (`load_package`, its arguments `forward_arguments`). A
+    package built without its constants (`MODEL_CONSTANTS` in its metadata: unfrozen weights) runs on `tensors` (the
+    exported backbone's parameters and buffers by name) themselves, not copies (AOTInductor's public `load_constants`
+    with `user_managed=True`): its weights are the model's, in memory once whatever the number of packages, and an
+    in-place change to them reaches it. A constant it names that `tensors` lacks raises a `ValueError` naming it."""
+    compiled = torch._inductor.aoti_load_package(str(path))
+    if compiled.get_metadata().get("refusion_constants") == MODEL_CONSTANTS["refusion_constants"]:
+        tensors = tensors or {}
+        names = compiled.get_constant_fqns()
+        missing = sorted(set(names) - set(tensors))
+        if missing:
+            raise ValueError(f"The saved forward {path} takes constants the model does not have: {missing[:5]}.")
+        compiled.load_constants({name: tensors[name] for name in names}, check_full_update=True, user_managed=True)
+    return PackageRunner.of(compiled, forward_arguments)
 
 
 def load_or_build_package(path: Path, key: str, build: Callable[[str], None], what: str, load: Callable = load_package):
@@ -586,6 +629,7 @@ class ExportedBackbone(torch.nn.Module):
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
             layer.keys, layer.values = layer_keys, layer_values
         cache.columns = columns
+        cache.rows = torch.arange(columns.shape[0], device=columns.device)[:, None]  # (in the graph, not a constant)
         output = self.decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         )
@@ -610,16 +654,18 @@ def onednn_bfloat16() -> bool:
 
 
 def saved_forward_key(model, compile_config: CompileConfig) -> str:
-    """What a saved forward depends on besides its input shape, as one string (see `SavedForwards`)."""
-    weights = hashlib.blake2b(digest_size=16)
+    """What a saved forward depends on besides its input shape, as one string (see `SavedForwards`): with frozen
+    weights their contents (the package holds them), else their names, dtypes and shapes alone (it runs on the
+    model's)."""
+    frozen, weights = freezes_weights(compile_config), hashlib.blake2b(digest_size=16)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         weights.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        data = tensor.detach().contiguous().cpu()
-        weights.update(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
+        if frozen and tensor.numel():
+            weights.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
     return " | ".join([
         type(model).__name__,
         hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
-        weights.hexdigest(),
+        f"{'weights' if frozen else 'layout'} {weights.hexdigest()}",
         f"{device_name(model)} {model.dtype}, attention {attention_fingerprint(model)}",
         json.dumps(compile_config.to_dict(), sort_keys=True, default=str),
         source_digest(),

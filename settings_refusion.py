@@ -506,13 +506,15 @@ def compile_config_for(model, config: GenerationConfig, cache_implementation: st
     return None
 
 
-def fastest_settings(device, compile_cache_dir: str | os.PathLike | None = None) -> dict:
+def fastest_settings(device, compile_cache_dir: str | os.PathLike | None = None, frozen: bool = True) -> dict:
     """The decoding options of the fastest decode measured on `device`'s kind (`benchmarks/results/README.md`), as
     `generate` takes them. On a CPU: forwards compiled over a static cache with inductor's autotuning and the weights
     frozen into the graphs, kept as AOTInductor packages in `compile_cache_dir` (None: compiled again in each process),
     drafts priced by a forward-price table measured here once (`draft_schedule="price"`), up to 4 drafts a slot copied
     from the text (`lookup_drafts`), and `token_threshold` 0.5, at which the answer is the model's own greedy one
-    whatever the table. On CUDA (or XPU): CUDA graphs over unfrozen weights (`mode="reduce-overhead"`), no packages."""
+    whatever the table. `frozen=False` leaves the weights out of the graphs: slower forwards, but packages without
+    weights that run on the model's own (one copy in memory, where frozen packages hold one each). On CUDA (or XPU):
+    CUDA graphs over unfrozen weights (`mode="reduce-overhead"`), no packages."""
     device = torch.device(device)
     accelerated = device.type in ("cuda", "xpu")
     if accelerated and compile_cache_dir is not None:
@@ -524,7 +526,7 @@ def fastest_settings(device, compile_cache_dir: str | os.PathLike | None = None)
         compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
     else:
         compile_config = CompileConfig(
-            fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs", options={"freezing": True}
+            fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs", options={"freezing": frozen}
         )
     settings = dict(cache_implementation="static", compile_config=compile_config, draft_schedule="price",
                     lookup_drafts=4, token_threshold=0.5)  # fmt: skip

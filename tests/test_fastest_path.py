@@ -22,6 +22,7 @@ def test_the_fastest_config_is_a_copy_with_the_measured_fastest_settings_of_the_
     assert config.compile_config.mode == "max-autotune-no-cudagraphs" and config.compile_config.options == {
         "freezing": True
     }
+    assert model.fastest_generation_config(tmp_path, frozen=False).compile_config.options == {"freezing": False}
     assert not hasattr(model.fastest_generation_config(), "compile_cache_dir")
     assert model.fastest_generation_config(tmp_path, compile_cache_max_gb=4).compile_cache_max_gb == 4
     cuda = fastest_settings(torch.device("cuda"))

@@ -95,14 +95,13 @@ def test_the_saved_folder_holds_each_package_with_its_digest(saved):
     assert record["sha256"] == packages_refusion.file_digest(saved["forward"])
 
 
-def test_a_package_whose_weights_were_damaged_is_compiled_again_with_a_warning(saved, copied, compiles, caplog):
-    """Bytes of a weight changed inside a forward package: loaded as it is, it decoded other logits without a word."""
+def test_a_package_with_damaged_bytes_is_compiled_again_with_a_warning(saved, copied, compiles, caplog):
+    """Bytes changed inside a forward package (loaded as it was, one whose weights were damaged decoded other logits
+    without a word; unfrozen, as here, a package holds code alone)."""
     folder, forward, step = copied
-    weight = saved["model"].model.layers[0].mlp.down_proj.weight.detach()
     data = forward.read_bytes()
-    at = data.find(weight.contiguous().numpy().tobytes())
-    assert at > 0  # (the package keeps the weight as it is: unfrozen, float64)
-    damaged = data[:at] + (3 * weight).contiguous().numpy().tobytes() + data[at + weight.nbytes :]
+    at = len(data) // 2
+    damaged = data[:at] + bytes(255 - byte for byte in data[at : at + 64]) + data[at + 64 :]
     forward.write_bytes(damaged)
     logits, outputs = run_saved(saved["model"], folder)
     assert_as_saved(saved, logits, outputs)
@@ -158,6 +157,9 @@ def test_without_the_loader_s_private_boxed_run_packages_run_through_their_publi
         def __call__(self, *arguments):
             self.calls += 1
             return self.compiled(*arguments)
+
+        def __getattr__(self, name: str):  # (its other public methods: metadata, constants)
+            return getattr(self.compiled, name)
 
     loaded = []
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: loaded.append(Hidden(path)) or loaded[-1])

@@ -86,28 +86,73 @@ def test_saved_forwards_give_the_eager_tokens_and_a_later_decode_loads_them(tmp_
     assert sorted(tmp_path.iterdir()) == files
 
 
-def test_a_weight_change_means_other_packages(tmp_path):
-    """A package holds the weights (frozen or not): a changed weight gives a new backbone with another key, an equal
-    copy of the model (a later process loading the same checkpoint) the same key."""
+def test_a_weight_change_means_a_fresh_backbone_and_other_packages_only_where_frozen(tmp_path):
+    """A changed weight gives a fresh backbone. Frozen packages hold the weights: the changed model's have another
+    key, an equal copy's (a later process loading the same checkpoint) the same. Unfrozen packages run on the model's
+    tensors, so their key names the weights' layout alone."""
     model = sharpened_model("qwen2", scale=4.0)
-    config = compile_config()
+    frozen, unfrozen = compile_config(freezing=True), compile_config()
     shape = (1, 8, 128)
-    first = compiled_backbone(model, config, tmp_path)
-    assert isinstance(first, SavedForwards) and compiled_backbone(model, config, tmp_path) is first
-    assert SavedForwards(copy.deepcopy(model), config, tmp_path).path(shape) == first.path(shape)
+    first = compiled_backbone(model, frozen, tmp_path)
+    assert isinstance(first, SavedForwards) and compiled_backbone(model, frozen, tmp_path) is first
+    assert SavedForwards(copy.deepcopy(model), frozen, tmp_path).path(shape) == first.path(shape)
+    shared = SavedForwards(model, unfrozen, tmp_path).path(shape)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0  # one element, in place
-    second = compiled_backbone(model, config, tmp_path)
+    second = compiled_backbone(model, frozen, tmp_path)
     assert second is not first and second.path(shape) != first.path(shape)
+    assert SavedForwards(model, unfrozen, tmp_path).path(shape) == shared
     keys = {
         second.path(shape),
         second.path((2, 8, 128)),
         second.path((1, 16, 128)),
         second.path((1, 8, 256)),
-        SavedForwards(model, compile_config(freezing=True), tmp_path).path(shape),
-        SavedForwards(model.to(torch.float32), config, tmp_path).path(shape),
+        shared,
+        SavedForwards(model.to(torch.float32), frozen, tmp_path).path(shape),
     }
     assert len(keys) == 6
+
+
+def test_unfrozen_packages_run_on_the_models_own_weights(tmp_path, monkeypatch):
+    """Unfrozen, a package is built without the weights and runs on the model's own tensors: another model of the same
+    layout with other weights loads the packages rather than compiling and decodes its own eager tokens, an in-place
+    change to a weight reaches the next decode, and the packages hold no copy of the weights."""
+    compiles, compile_package = [], torch._inductor.aoti_compile_and_package
+
+    def recorded(exported, package_path, inductor_configs=None):
+        compiles.append((Path(package_path).name, dict(inductor_configs or {})))
+        return compile_package(exported, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
+    model = sharpened_model("llama", scale=4.0)
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in other.parameters():
+            weight.add_(0.2 * torch.randn(weight.shape, generator=generator, dtype=weight.dtype))
+    saved = dict(SETTINGS, compile_config=compile_config(), compile_cache_dir=str(tmp_path))
+    ids, mask = left_padded(PROMPTS)
+    eager = model.generate(ids, attention_mask=mask, **SETTINGS)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), eager)
+    forwards = [path for path in tmp_path.glob("*.pt2") if not path.name.startswith("step-")]
+    count = len(compiles)
+    assert forwards and count >= len(forwards)
+
+    other_eager = other.generate(ids, attention_mask=mask, **SETTINGS)
+    assert not torch.equal(other_eager, eager)
+    assert torch.equal(other.generate(ids, attention_mask=mask, **saved), other_eager)
+    assert len(compiles) == count  # the same packages, loaded
+
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    changed = model.generate(ids, attention_mask=mask, **SETTINGS)
+    assert not torch.equal(changed, eager)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **saved), changed)
+    assert len(compiles) == count
+
+    forward_configs = [configs for name, configs in compiles if not name.startswith("step-")]
+    assert forward_configs
+    assert all(configs["aot_inductor.package_constants_in_so"] is False for configs in forward_configs)
 
 
 def test_an_attention_change_means_another_backbone_and_other_packages(tmp_path, compiles):
@@ -269,3 +314,50 @@ def test_a_package_built_with_grad_enabled_has_its_weights_frozen(tmp_path):
     constants = runner.get_constant_fqns()
     assert any(name.startswith("_frozen_param") for name in constants)
     assert not [name for name in constants if "proj" in name]  # no linear layer's weight left unfrozen
+
+
+def test_a_package_built_without_its_constants_runs_on_the_tensors_given_and_names_one_missing(tmp_path):
+    """`load_forward` binds the tensors given to a package whose metadata says it was built without its constants,
+    refuses, naming it, a constant not among them, and leaves a package holding its constants as it is."""
+    layer = torch.nn.Linear(8, 8).eval()
+    inputs = torch.randn(2, 8)
+    with torch.no_grad():
+        exported = torch.export.export(layer, (inputs,))
+        for name, configs in [
+            ("bare", packages_refusion.BARE_PACKAGE),
+            ("whole", {}),
+        ]:  # fmt: skip
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(tmp_path / f"{name}.pt2"), inductor_configs=configs
+            )
+        tensors = dict(layer.named_parameters())
+        bare = packages_refusion.load_forward(tmp_path / "bare.pt2", tensors)
+        assert torch.equal(bare.boxed_run([inputs])[0], layer(inputs))
+        layer.weight.mul_(2.0)  # the package runs on the layer's own weight and bias (a small one too)
+        layer.bias.add_(1.0)
+        assert torch.equal(bare.boxed_run([inputs])[0], layer(inputs))
+        with pytest.raises(ValueError, match=r"takes constants the model does not have: \['bias'\]"):
+            packages_refusion.load_forward(tmp_path / "bare.pt2", {"weight": layer.weight})
+        whole = packages_refusion.load_forward(tmp_path / "whole.pt2", {})
+        assert not torch.equal(whole.boxed_run([inputs])[0], layer(inputs))  # (its own copy, from before the change)
+
+
+def test_an_unfrozen_package_that_makes_constants_of_its_own_keeps_them(tmp_path, monkeypatch):
+    """Where the package built without its constants names one the model does not have (inductor's C++ GEMM template
+    packs a copy of each weight), it is compiled again holding its constants, and computes what a bare one does."""
+    model = sharpened_model("llama", scale=4.0).float()
+    expected = causal_forward(model, SavedForwards(model, compile_config(), tmp_path / "bare"), 2)[1]
+    monkeypatch.setattr(packages_refusion, "BARE_PACKAGE", {**packages_refusion.BARE_PACKAGE, "max_autotune": True,
+                                                            "max_autotune_gemm_backends": "CPP"})  # fmt: skip
+    built, compile_package = [], packages_refusion.compile_package
+
+    def recorded(exported, shape, attempts, path):
+        built.append(attempts[0].get("aot_inductor.package_constants_in_so", True))
+        return compile_package(exported, shape, attempts, path)
+
+    monkeypatch.setattr(packages_refusion, "compile_package", recorded)
+    logits = causal_forward(model, SavedForwards(model, compile_config(), tmp_path / "own"), 2)[1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)  # (other kernels: float32 rounding)
+    assert built == [False, True]  # bare, then with its constants
+    (package,) = (tmp_path / "own").glob("*.pt2")
+    assert torch._inductor.aoti_load_package(str(package)).get_metadata().get("refusion_constants") is None
