@@ -144,6 +144,7 @@ class SavedForwards:
         # model's own tensors, given it when it loads (`load_forward`). Frozen, they are packed copies it must hold.
         self.shares_weights = not freezes_weights(compile_config)
         self.model, self.folder, self.runners = model, folder, {}
+        self.bound = {}  # by shape, the tensors a package built without its constants runs on: kept alive with it
         self.fingerprint = saved_forward_key(model, compile_config)
         self.logits_width = graph_logits_width(compile_config)
         # the inductor configs of the packages of up to `NARROW_WIDTH` new tokens, in turn; None: as the others'
@@ -227,6 +228,7 @@ class SavedForwards:
                 self.keep_faster(exported, shape, inputs, package_path)
 
         def load(path: Path):
+            self.bound[shape] = tensors
             return load_forward(path, tensors)
 
         return load_or_build_package(self.path(shape), self.key(shape), build, "forward", load)
