@@ -31,11 +31,14 @@ logger = logging.get_logger(__name__)
 
 # `draft_schedule="price"`: the forward widths whose price is measured (others are interpolated), and the variable
 # naming the file measured prices are kept in between processes (default ~/.cache/refusion/forward_prices.json;
-# empty: keep none). Measuring stops at the first width that costs `PRICE_LINEAR` times its width in one-query
+# empty: keep none). Measuring a width of compiled forwards compiles it, before the decode's first token: the widths a
+# priced decode mostly runs are measured (one new token a slot and a few drafts each, and the prompt's 64), and
+# those between 8 and 64, whose forwards cost about in proportion to their width, are interpolated; a decode compiles
+# one when it first runs it. Measuring stops at the first width that costs `PRICE_LINEAR` times its width in one-query
 # forwards (no economy of width left: wider forwards are prorated), and a width takes a warm-up and a single timed
 # forward once the timed forwards have spent `PRICE_SECONDS`: a batch of 32 on a CPU would otherwise spend as long
 # pricing its forwards as decoding.
-PRICE_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+PRICE_WIDTHS = (1, 2, 4, 8, 64)
 PRICE_LINEAR = 0.9
 PRICE_SECONDS = 4.0
 # A kept table is measured again when a decode over the cache it was measured on ran a forward of one of its widths in
