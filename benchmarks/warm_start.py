@@ -14,11 +14,11 @@ included; inductor's compiler subprocesses are not counted). `--paths`, in order
   as the decode first needs each width (inductor's own disk cache, warm or cold as this machine has it);
 - `saved`: the same forwards compiled ahead of time and kept in `--compile_cache_dir` (AOTInductor packages,
   `generate(compile_cache_dir=...)`): the first such run compiles and keeps them (cold), later runs load them (warm).
-Priced drafts (`--draft_schedule price`, the default) price every width before the first forward, so the first
-token waits for every width bucket's forward to compile or load, unless this forward path's price table is already
-kept (`~/.cache/refusion/forward_prices.json`; `REFUSION_PRICE_CACHE`). The table ends with the saved packages on
-disk: how many, and their size. Writes `warm_start.md` and `.json` into
-`--output_dir` when given.
+Priced drafts (`--draft_schedule price`, the default) price their widths (`prices_refusion.PRICE_WIDTHS`) before
+the first forward, so the first token waits for those widths' forwards to compile or load, unless this forward path's
+price table is already kept (`~/.cache/refusion/forward_prices.json`; `REFUSION_PRICE_CACHE`). The table ends with
+the saved packages on disk: how many, and their size. Writes `warm_start.md` and `.json` into `--output_dir` when
+given.
 """
 
 import argparse
