@@ -356,6 +356,10 @@ def test_a_warm_up_that_compiles_neither_spends_the_time_nor_prices_its_width(mo
     table = measure(model)
     assert table == pytest.approx({width: 0.01 + 0.001 * width for width in prices_refusion.PRICE_WIDTHS})
     assert len(forwards.widths) == 4 * len(prices_refusion.PRICE_WIDTHS)  # a warm-up and 3 timed forwards each
+    # the buckets of 16 and 32 new tokens are neither run (nor so compiled) nor measured: priced between 8 and 64
+    assert not {16, 32} & set(forwards.widths)
+    prices = ForwardPrices(table, buckets=(1, 2, 4, 8, 16, 32, 64))
+    assert [prices(width) for width in (9, 16, 32)] == pytest.approx([0.026, 0.026, 0.042])
 
 
 def test_a_busy_spell_of_the_machine_does_not_price_one_width_above_the_others(monkeypatch):
